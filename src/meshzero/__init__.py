@@ -1,0 +1,8 @@
+"""meshzero: ZeRO sharded data parallelism on PyTorch that reports what each rank really holds."""
+
+from meshzero.config import Config, ConfigError, load_config
+from meshzero.engine import Engine, initialize
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "Engine", "initialize", "load_config", "__version__"]

@@ -1,0 +1,155 @@
+"""Every collective goes through a :class:`Communicator`, which counts bytes and seconds.
+
+Bytes are what one rank sends under the ring algorithms (the convention of nccl-tests' bus
+bandwidth), so they can be compared with the ZeRO paper's formulas:
+
+- all-gather of an output of B bytes over N ranks:      B * (N-1) / N
+- reduce-scatter of an input of B bytes over N ranks:    B * (N-1) / N
+- all-reduce of B bytes over N ranks:                  2 B * (N-1) / N
+
+Seconds: ``seconds`` is issue-to-completion time of each op (on gloo the op runs on a
+background thread, so this overlaps compute); ``exposed_seconds`` is the time the caller
+spent blocked waiting for it, i.e. what was not hidden behind compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renames the tensor collectives; keep working on 2.5.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class OpStats:
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    exposed_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds,
+                "exposed_seconds": self.exposed_seconds}
+
+
+@dataclass
+class CommStats:
+    """Counts per (group name, op). Shared by every communicator of an engine."""
+
+    ops: dict[tuple[str, str], OpStats] = field(default_factory=dict)
+
+    def get(self, group: str, op: str) -> OpStats:
+        return self.ops.setdefault((group, op), OpStats())
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def by_op(self) -> dict[str, dict[str, float | int]]:
+        """``{op: {count, bytes, seconds, exposed_seconds}}`` summed over groups."""
+        out: dict[str, OpStats] = {}
+        for (_, op), s in self.ops.items():
+            acc = out.setdefault(op, OpStats())
+            acc.count += s.count
+            acc.bytes += s.bytes
+            acc.seconds += s.seconds
+            acc.exposed_seconds += s.exposed_seconds
+        return {op: s.as_dict() for op, s in sorted(out.items())}
+
+
+class Handle:
+    """An in-flight collective. Holds references to its buffers until waited on."""
+
+    def __init__(self, work: dist.Work | None, stats: OpStats, issued: float, *buffers):
+        self._work = work
+        self._stats = stats
+        self._issued = issued
+        self._buffers = buffers  # keep in-flight memory alive (instead of record_stream)
+        self._done_at: list[float] = []
+        if work is not None:
+            try:  # completion time where the backend offers futures (NCCL; gloo for some ops)
+                work.get_future().then(lambda _fut: self._done_at.append(time.perf_counter()))
+            except RuntimeError:  # "Work::getFuture not implemented": end = when wait returns
+                pass
+
+    def wait(self) -> None:
+        if self._buffers is None:
+            return
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            t1 = time.perf_counter()
+            self._stats.exposed_seconds += t1 - t0
+            done = self._done_at[0] if self._done_at else t1
+            self._stats.seconds += max(done, t0) - self._issued
+        self._buffers = None
+
+
+class Communicator:
+    """Collectives over one process group, counted into shared :class:`CommStats`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, name: str, stats: CommStats,
+                 async_ops: bool = True):
+        self.group = group
+        self.name = name
+        self.stats = stats
+        # group None: an axis of size one (see topology.Topology.groups)
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.async_ops = async_ops  # overlap_comm: False waits on every op at once
+
+    def _launch(self, op: str, nbytes: int, fn, *buffers) -> Handle:
+        stats = self.stats.get(self.name, op)
+        stats.count += 1
+        stats.bytes += nbytes
+        issued = time.perf_counter()
+        if self.size == 1:  # a one-rank group: the local copy is the whole collective
+            fn(None)
+            return Handle(None, stats, issued, *buffers)
+        work = fn(self.group)
+        handle = Handle(work, stats, issued, *buffers)
+        if not self.async_ops:
+            handle.wait()
+        return handle
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """``output`` (N*S,) <- concat of every rank's ``shard`` (S,)."""
+        n = self.size
+        nbytes = output.numel() * output.element_size() * (n - 1) // n
+
+        def run(group):
+            if group is None:
+                output.copy_(shard)
+                return None
+            return _all_gather(output, shard, group=group, async_op=True)
+
+        return self._launch("all_gather", nbytes, run, output, shard)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> Handle:
+        """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,))."""
+        n = self.size
+        nbytes = full.numel() * full.element_size() * (n - 1) // n
+
+        def run(group):
+            if group is None:
+                shard.copy_(full)
+                return None
+            return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group,
+                                   async_op=True)
+
+        return self._launch("reduce_scatter", nbytes, run, shard, full)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+        n = self.size
+        nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
+
+        def run(group):
+            if group is None:
+                return None
+            return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+        return self._launch("all_reduce", nbytes, run, tensor)

@@ -1,0 +1,575 @@
+"""DeepSpeed's ds_config.json schema as typed, strict pydantic models.
+
+`load_config` is the entry point: it accepts a dict, a path to a JSON file or an existing
+`Config`, and turns every problem it finds into one `ConfigError` that lists each problem on its
+own line with the dotted key, the value given and what is valid. Nothing is silently ignored:
+unknown keys fail with the nearest valid key, DeepSpeed keys meshzero does not implement yet fail
+saying so, and "auto" values fail with how to resolve them.
+"""
+
+import difflib
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+
+class ConfigError(ValueError):
+    """A config meshzero cannot run; the message lists every problem, one per line."""
+
+
+class _Invalid(ValueError):
+    """A validator's complaint worded to follow "<key> = <value> ", e.g. "is not supported"."""
+
+
+# DeepSpeed keys meshzero recognises but does not implement yet: dotted key -> short note.
+# Remove an entry (and add the field to its model) when the feature lands.
+UNSUPPORTED_KEYS: dict[str, str] = {
+    "flops_profiler": "FLOPs profiler",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model instead",
+    "tensorboard": "monitoring backend",
+    "wandb": "monitoring backend",
+    "csv_monitor": "monitoring backend",
+    "comms_logger": "meshzero counts communication itself",
+    "amp": "NVIDIA apex AMP",
+    "pipeline": "pipeline parallelism",
+    "checkpoint": "checkpoint engine options",
+    "data_types": "gradient accumulation dtype",
+    "elasticity": "elastic training",
+    "autotuning": "autotuner",
+    "compression_training": "compression library",
+    "sparse_attention": "sparse attention kernels",
+    "zero_allow_untested_optimizer": "client optimizers",
+    "zero_force_ds_cpu_optimizer": "CPU offload",
+    "gradient_predivide_factor": "gradient pre-division",
+    "prescale_gradients": "gradient pre-scaling",
+    "dump_state": "state dump",
+    "data_efficiency": "data efficiency library",
+    "curriculum_learning": "curriculum learning",
+    "torch_autocast": "torch.autocast integration",
+    "tensor_parallel": "AutoTP tensor parallelism",
+    "sparse_gradients": "sparse gradients",
+    "memory_breakdown": "use engine.memory_report()",
+    "dataloader_drop_last": "DeepSpeed data loader",
+    "aio": "NVMe offload",
+    "eigenvalue": "eigenvalue computation",
+    "progressive_layer_drop": "progressive layer drop",
+    "hybrid_engine": "RLHF hybrid engine",
+    "compile": "torch.compile integration",
+    "zero_optimization.offload_param": "parameter offload",
+    "zero_optimization.offload_optimizer": "optimizer offload",
+    "zero_optimization.cpu_offload": "CPU offload",
+    "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
+    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ",
+    "zero_optimization.mics_shard_size": "MiCS",
+    "zero_optimization.mics_hierarchical_params_gather": "MiCS",
+    "zero_optimization.sub_group_size": "optimizer sub-groups",
+    "zero_optimization.round_robin_gradients": "round-robin gradients",
+    "zero_optimization.elastic_checkpoint": "elastic checkpoints",
+    "zero_optimization.load_from_fp32_weights": "checkpoint loading option",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "16-bit model save",
+    "zero_optimization.gather_16bit_weights_on_model_save": "16-bit model save",
+    "zero_optimization.ignore_unused_parameters": "unused parameters are always handled",
+    "zero_optimization.legacy_stage1": "legacy stage 1",
+    "zero_optimization.memory_efficient_linear": "memory-efficient linear",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "multi-rank bucket all-reduce",
+    "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
+    "zero_optimization.log_trace_cache_warnings": "trace cache warnings",
+    "fp16.auto_cast": "fp16 autocast of inputs",
+    "fp16.consecutive_hysteresis": "consecutive hysteresis",
+    "fp16.fp16_master_weights_and_grads": "fp16 master weights",
+    "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
+}
+
+
+# --- strict scalar types -------------------------------------------------------------------
+
+
+def _integral(value: Any) -> Any:
+    """Accept 5e8 (JSON gives 500000000.0) as an int; refuse bools and fractional floats."""
+    if isinstance(value, bool):
+        raise _Invalid("is a boolean; give an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise _Invalid("is not a whole number; give an integer")
+        return int(value)
+    return value  # strict int validation then rejects strings such as "10"
+
+
+Int = Annotated[int, Strict(), BeforeValidator(_integral)]
+PosInt = Annotated[Int, Field(gt=0)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+PosFloat = Annotated[Float, Field(gt=0)]
+NonNegFloat = Annotated[Float, Field(ge=0)]
+Beta = Annotated[Float, Field(ge=0, lt=1)]
+Ratio = Annotated[Float, Field(ge=0, le=1)]
+Bool = Annotated[bool, Strict()]
+WarmupType = Literal["log", "linear"]
+
+
+class _Model(BaseModel):
+    """Base of every config model: unknown keys are errors, and a loaded config is immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- optimizer and scheduler ---------------------------------------------------------------
+
+
+class AdamParams(_Model):
+    """DeepSpeed's "Adam": decoupled weight decay (i.e. AdamW) unless adam_w_mode is false.
+
+    With adam_w_mode false, weight_decay is added to the gradient (L2 regularisation, the
+    behaviour of torch.optim.Adam).
+    """
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    amsgrad: Bool = False
+    adam_w_mode: Bool = True
+
+
+class AdamWParams(_Model):
+    """DeepSpeed's "AdamW": Adam with decoupled weight decay (torch.optim.AdamW)."""
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.01
+    amsgrad: Bool = False
+
+
+class SGDParams(_Model):
+    """torch.optim.SGD's arguments; lr has no default, as in torch."""
+
+    lr: PosFloat
+    momentum: NonNegFloat = 0.0
+    dampening: Float = 0.0
+    weight_decay: NonNegFloat = 0.0
+    nesterov: Bool = False
+
+    @field_validator("nesterov")
+    @classmethod
+    def _nesterov_needs_momentum(cls, nesterov: bool, info: ValidationInfo) -> bool:
+        if nesterov and (info.data.get("momentum", 1.0) <= 0 or info.data.get("dampening")):
+            raise _Invalid("needs momentum > 0 and dampening = 0")
+        return nesterov
+
+
+OPTIMIZER_PARAMS: dict[str, type[_Model]] = {
+    "Adam": AdamParams,
+    "AdamW": AdamWParams,
+    "SGD": SGDParams,
+}
+DEEPSPEED_ONLY_OPTIMIZERS = (
+    "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
+)  # fmt: skip
+
+
+def _after_warmup(total: int, info: ValidationInfo) -> int:
+    warmup = info.data.get("warmup_num_steps", 0)
+    if total <= warmup:
+        raise _Invalid(f"must be greater than warmup_num_steps ({warmup})")
+    return total
+
+
+class WarmupLRParams(_Model):
+    warmup_min_lr: NonNegFloat = 0.0
+    warmup_max_lr: NonNegFloat = 0.001
+    warmup_num_steps: NonNegInt = 1000
+    warmup_type: WarmupType = "log"
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    total_num_steps: PosInt  # declared after warmup_num_steps so its validator can compare
+
+    _total = field_validator("total_num_steps")(_after_warmup)
+
+
+class WarmupCosineLRParams(_Model):
+    warmup_num_steps: NonNegInt = 1000
+    total_num_steps: PosInt
+    warmup_min_ratio: Ratio = 0.0
+    cos_min_ratio: Ratio = 0.0001
+    warmup_type: WarmupType = "log"
+
+    _total = field_validator("total_num_steps")(_after_warmup)
+
+
+SCHEDULER_PARAMS: dict[str, type[_Model]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+DEEPSPEED_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+
+
+class _TypedSection(_Model):
+    """A `type`, matched case-insensitively and kept in its canonical spelling, and `params`,
+    checked against that type's own model (so a misspelt param is an unknown key) and stored
+    complete: every param of the type, defaults filled, ints as ints."""
+
+    kinds: ClassVar[dict[str, type[_Model]]]
+    deepspeed_only: ClassVar[tuple[str, ...]]
+    what: ClassVar[str]
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def params_model(cls, kind: Any) -> type[_Model] | None:
+        """The params model for `kind` in any case, or None if it is not a known type."""
+        lower = str(kind).lower()
+        return next((model for name, model in cls.kinds.items() if name.lower() == lower), None)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # the str field reports the wrong type
+        for name in cls.kinds:
+            if name.lower() == value.lower():
+                return name
+        valid = ", ".join(cls.kinds)
+        if value.lower() in {name.lower() for name in cls.deepspeed_only}:
+            raise _Invalid(f"is a DeepSpeed {cls.what} meshzero does not implement; valid: {valid}")
+        raise _Invalid(f"is not a {cls.what} meshzero knows; valid: {valid}")
+
+    @field_validator("params")
+    @classmethod
+    def _check_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # a bad type was reported already; params cannot be checked
+            return params
+        return cls.kinds[info.data["type"]].model_validate(params).model_dump()
+
+    def validated_params(self) -> dict[str, Any]:
+        """All params of this type, defaults filled in."""
+        return self.kinds[self.type].model_validate(self.params).model_dump()
+
+
+class OptimizerConfig(_TypedSection):
+    """`optimizer`: type Adam, AdamW or SGD (any case) and its params."""
+
+    kinds = OPTIMIZER_PARAMS
+    deepspeed_only = DEEPSPEED_ONLY_OPTIMIZERS
+    what = "optimizer"
+
+
+class SchedulerConfig(_TypedSection):
+    """`scheduler`: type WarmupLR, WarmupDecayLR or WarmupCosineLR (any case) and its params."""
+
+    kinds = SCHEDULER_PARAMS
+    deepspeed_only = DEEPSPEED_ONLY_SCHEDULERS
+    what = "scheduler"
+
+
+# --- precision and ZeRO --------------------------------------------------------------------
+
+
+class FP16Config(_Model):
+    """`fp16`: loss_scale 0 means dynamic scaling starting at 2**initial_scale_power."""
+
+    enabled: Bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: Annotated[Int, Field(ge=0, le=64)] = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    min_loss_scale: PosFloat = 1.0
+
+
+class BF16Config(_Model):
+    enabled: Bool = False
+
+
+_ALWAYS_ON = {
+    "contiguous_gradients": "meshzero always keeps gradients in contiguous flat buffers",
+    "reduce_scatter": "meshzero always reduces gradients with reduce-scatter",
+    "allgather_partitions": "meshzero always all-gathers whole partitions",
+}
+
+
+class ZeroConfig(_Model):
+    """`zero_optimization`; unit_classes (meshzero's own key) names the module classes whose
+    instances become ZeRO units (gathered and released together)."""
+
+    stage: Annotated[Int, Field(ge=0, le=3)] = 0
+    overlap_comm: Bool = True
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    allgather_partitions: Bool = True
+    reduce_bucket_size: PosInt = 500_000_000
+    allgather_bucket_size: PosInt = 500_000_000
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    stage3_max_live_parameters: PosInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    unit_classes: list[Annotated[str, Strict(), Field(min_length=1)]] | None = None
+
+    @field_validator(*_ALWAYS_ON)
+    @classmethod
+    def _only_true(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value:
+            raise _Invalid(f"is not supported: {_ALWAYS_ON[info.field_name]}; only true is valid")
+        return value
+
+
+# --- top level -----------------------------------------------------------------------------
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Config(BaseModel):
+    """A validated ds_config. Build it with `load_config`; fields keep DeepSpeed's names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    train_batch_size: PosInt | None = None
+    train_micro_batch_size_per_gpu: PosInt | None = None
+    gradient_accumulation_steps: PosInt | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    gradient_clipping: NonNegFloat = 0.0
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    steps_per_print: PosInt = 10
+    wall_clock_breakdown: Bool = False
+    seed: NonNegInt | None = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        problems = _batch_problems(self)
+        if self.fp16.enabled and self.bf16.enabled:
+            problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def resolve_batch(self, dp_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, gradient accumulation steps) for `dp_size`
+        ranks, under train_batch_size == micro * accumulation * dp_size."""
+        return _resolve_batch(self, dp_size)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        dtype = self.communication_data_type
+        return None if dtype is None else _DTYPES[dtype]
+
+
+def _batch_problems(config: Config) -> list[str]:
+    """Batch checks that hold whatever the data-parallel size is."""
+    tbs, micro = config.train_batch_size, config.train_micro_batch_size_per_gpu
+    gas = config.gradient_accumulation_steps
+    if tbs is None and micro is None and gas is not None:
+        return [
+            f"gradient_accumulation_steps ({gas}) alone does not set the batch size; also give "
+            "train_batch_size or train_micro_batch_size_per_gpu"
+        ]
+    per_rank = (micro or 1) * (gas or 1)
+    if tbs is None or tbs % per_rank == 0:
+        return []
+    names = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    factors = " * ".join(f"{name} ({n})" for name, n in names.items() if n is not None)
+    product = f" = {per_rank}" if micro and gas else ""
+    return [
+        f"train_batch_size ({tbs}) is not divisible by {factors}{product}, so no data-parallel "
+        "size satisfies train_batch_size = train_micro_batch_size_per_gpu * "
+        "gradient_accumulation_steps * data-parallel size"
+    ]
+
+
+def _resolve_batch(config: Config, dp_size: int) -> tuple[int, int, int]:
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ConfigError(f"data-parallel size must be a positive integer, got {dp_size!r}")
+    tbs, micro = config.train_batch_size, config.train_micro_batch_size_per_gpu
+    gas = config.gradient_accumulation_steps
+    if tbs is None:
+        if micro is None and gas is not None:
+            raise ConfigError(_batch_problems(config)[0])
+        micro, gas = micro or 1, gas or 1
+        return micro * gas * dp_size, micro, gas
+    if micro is None:
+        gas = gas or 1
+        micro = _divide(tbs, gas, dp_size, "gradient_accumulation_steps",
+                        "train_micro_batch_size_per_gpu")  # fmt: skip
+    elif gas is None:
+        gas = _divide(tbs, micro, dp_size, "train_micro_batch_size_per_gpu",
+                      "gradient_accumulation_steps")  # fmt: skip
+    if tbs != micro * gas * dp_size:
+        raise ConfigError(
+            f"train_batch_size ({tbs}) != train_micro_batch_size_per_gpu ({micro}) * "
+            f"gradient_accumulation_steps ({gas}) * data-parallel size ({dp_size}) = "
+            f"{micro * gas * dp_size}"
+        )
+    return tbs, micro, gas
+
+
+def _divide(tbs: int, known: int, dp_size: int, known_key: str, missing_key: str) -> int:
+    """train_batch_size / (known * dp_size), which must be a whole number."""
+    if tbs % (known * dp_size):
+        raise ConfigError(
+            f"train_batch_size ({tbs}) is not divisible by {known_key} ({known}) * data-parallel "
+            f"size ({dp_size}) = {known * dp_size}, so {missing_key} would be "
+            f"{tbs / (known * dp_size):g}"
+        )
+    return tbs // (known * dp_size)
+
+
+# --- loading and error reporting -----------------------------------------------------------
+
+
+def load_config(config: Config | dict[str, Any] | str | os.PathLike[str]) -> Config:
+    """Validate a ds_config given as a dict, a path to a JSON file or a `Config`."""
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        raw, source = _read_json(Path(config)), f"config file '{config}'"
+    elif isinstance(config, dict):
+        raw, source = config, "config"
+    else:
+        raise ConfigError(f"expected a dict, a JSON file path or a Config, got {type(config)}")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
+    auto = [_auto_message(key) for key in _find_auto(raw, "")]
+    if auto:
+        raise ConfigError(_report(source, auto))
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_report(source, [_describe(e, raw) for e in exc.errors()])) from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno} (char {exc.pos})"
+        ) from None
+
+
+def _find_auto(node: Any, key: str) -> list[str]:
+    """Dotted keys of every "auto" value at any depth."""
+    if isinstance(node, str):
+        return [key] if node.strip().lower() == "auto" else []
+    if isinstance(node, dict):
+        return [k for name, v in node.items() for k in _find_auto(v, _join_key(key, name))]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in _find_auto(v, f"{key}[{i}]")]
+    return []
+
+
+def _auto_message(key: str) -> str:
+    return (
+        f"config key '{key}' is 'auto': meshzero does not infer values; replace it with a "
+        "number (Hugging Face's Trainer resolves 'auto' before handing the config over)"
+    )
+
+
+def _join_key(prefix: str, part: Any) -> str:
+    if isinstance(part, int):
+        return f"{prefix}[{part}]"
+    return f"{prefix}.{part}" if prefix else str(part)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    return functools.reduce(_join_key, loc, "")
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(error: ErrorDetails, raw: dict[str, Any]) -> str:
+    """One line for one pydantic error: dotted key, value given, what is valid."""
+    loc, key = error["loc"], _dotted(error["loc"])
+    cause = error.get("ctx", {}).get("error")
+    if error["type"] == "extra_forbidden":
+        return _unknown_key_message(loc, raw)
+    if error["type"] == "missing":
+        return f"{key} is required but missing"
+    if not loc:  # a check across several keys; its message names them
+        return str(cause) if cause is not None else error["msg"]
+    if isinstance(cause, _Invalid):
+        return f"{key} = {_show(error['input'])} {cause}"
+    return f"{key} = {_show(error['input'])}: {cause if cause is not None else error['msg']}"
+
+
+def _unknown_key_message(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
+    key = _dotted(loc)
+    if key in UNSUPPORTED_KEYS:
+        return (
+            f"config key '{key}' is a DeepSpeed feature meshzero does not implement yet "
+            f"({UNSUPPORTED_KEYS[key]}); remove it"
+        )
+    valid = _valid_keys(loc[:-1], raw)
+    prefix = _dotted(loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    if close:
+        return f"unknown config key '{key}'; did you mean '{_join_key(prefix, close[0])}'?"
+    return f"unknown config key '{key}'; valid keys at '{prefix or '<top>'}': {', '.join(valid)}"
+
+
+def _valid_keys(parent: tuple[Any, ...], raw: dict[str, Any]) -> list[str]:
+    """Field names of the model that validated the dict at `parent`."""
+    model: type[BaseModel] | None = Config
+    node: Any = raw
+    for part in parent:
+        owner, node = node, node.get(part) if isinstance(node, dict) else None
+        if model is None:
+            return []
+        if part == "params" and issubclass(model, _TypedSection):
+            model = model.params_model(owner.get("type"))
+        else:
+            model = _submodel(model.model_fields[part].annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):  # `Model | None`
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _report(source: str, problems: list[str]) -> str:
+    lines = [line for problem in problems for line in problem.split("\n")]
+    noun = "problem" if len(lines) == 1 else "problems"
+    return f"invalid meshzero {source} ({len(lines)} {noun}):\n" + "\n".join(
+        f"  - {line}" for line in lines
+    )

@@ -1,0 +1,284 @@
+"""The Engine: forward, backward and step with gradient accumulation, mixed precision,
+clipping and ZeRO, behind DeepSpeed's ``initialize(model, config) -> engine`` habits."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshzero.comm import CommStats, Communicator
+from meshzero.config import Config, load_config
+from meshzero.log import setup_logging
+from meshzero.optim import build_optimizer
+from meshzero.precision import LossScaler
+from meshzero.schedulers import build_scheduler
+from meshzero.topology import Topology, build_topology, init_distributed
+from meshzero.zero.state import ZeroModelState, ZeroOptions
+
+logger = logging.getLogger(__name__)
+
+
+def _cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in (nested) args to the compute dtype, like FSDP's cast_forward_inputs."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_cast_inputs(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _broadcast_module(module: nn.Module, comm: Communicator, src: int) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers (as DeepSpeed does)."""
+    if comm.size == 1:
+        return
+    tensors = list(module.parameters()) + list(module.buffers())
+    with torch.no_grad():
+        for dtype in {t.dtype for t in tensors}:
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=comm.group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class Engine(nn.Module):
+    """Wraps the user's module; ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        optimizer: torch.optim.Optimizer | type | Callable | None = None,
+        model_parameters: Iterable[Any] | None = None,
+        lr_scheduler: Callable | None = None,
+    ):
+        super().__init__()
+        setup_logging()
+        self.config = config
+        init_distributed()
+        self.topology: Topology = build_topology()
+        dp = self.topology.dp_size
+        self.train_batch, self.micro_batch, self.grad_accum = config.resolve_batch(dp)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.comm_stats = CommStats()
+        zc = config.zero_optimization
+        self.comm = Communicator(self.topology.dp_group, "dp", self.comm_stats,
+                                 async_ops=zc.overlap_comm)
+        self.device = self.topology.device
+        self.compute_dtype = config.compute_dtype
+        model.to(self.device)
+        _broadcast_module(model, self.comm, src=self._dp_src())
+        self.module = model
+        self.zero = ZeroModelState(model, self.comm, self.device, ZeroOptions(
+            stage=zc.stage,
+            compute_dtype=self.compute_dtype,
+            comm_dtype=config.communication_dtype or torch.float32,
+            unit_classes=zc.unit_classes,
+            persistence_threshold=zc.stage3_param_persistence_threshold,
+            reduce_bucket_numel=zc.reduce_bucket_size,
+            allgather_bucket_numel=zc.allgather_bucket_size,
+            prefetch_numel=zc.stage3_prefetch_bucket_size,
+            max_live_numel=zc.stage3_max_live_parameters,
+            max_reuse_distance=zc.stage3_max_reuse_distance,
+        ))
+        self._cast_buffers()
+        self.optimizer = build_optimizer(
+            model=model, fragments=self.zero.optim_state.fragments, device=self.device,
+            optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._window_open = False
+        self._last_comm: dict = {}
+        self._last_peak = self.zero.memory.peak
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    def _dp_src(self) -> int:
+        group = self.topology.dp_group
+        return 0 if group is None else dist.get_global_rank(group, 0)
+
+    def _cast_buffers(self) -> None:
+        if self.compute_dtype == torch.float32:
+            return
+        for module in self.module.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.to(self.compute_dtype))
+
+    def _build_scheduler(self, lr_scheduler: Callable | None):
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ValueError("both lr_scheduler and the config key 'scheduler' are given; "
+                             "pass one of them")
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ValueError("lr_scheduler must be a callable optimizer -> scheduler (e.g. "
+                             "lambda opt: LambdaLR(opt, f)): meshzero builds the optimizer over "
+                             "shard fragments, so a scheduler bound to another optimizer "
+                             "cannot drive it")
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer)
+        if self.config.scheduler is not None:
+            return build_scheduler(self.optimizer, self.config.scheduler)
+        return None
+
+    # -- DeepSpeed-style accessors ---------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def train_batch_size(self) -> int:
+        return self.train_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.grad_accum
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    # -- training --------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        # the first training micro-step of an optimizer step opens a new accounting window
+        if torch.is_grad_enabled() and not self._window_open:
+            self._window_open = True
+            self.comm_stats.reset()
+            self.zero.memory.reset_peak()
+        t0 = time.perf_counter()
+        if self.compute_dtype != torch.float32:
+            args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
+                kwargs, self.compute_dtype)
+        self.zero.start_forward()
+        out = self.module(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        t0 = time.perf_counter()
+        self.zero.start_backward(self.is_gradient_accumulation_boundary())
+        factor = self.loss_scaler.scale / self.grad_accum
+        scaled = loss.float() * factor if self.loss_scaler.scale != 1.0 else loss * factor
+        scaled.backward()
+        self.zero.finish_backward()
+        self._times["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary (a counted no-op otherwise)."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        t0 = time.perf_counter()
+        clip = self.config.gradient_clipping
+        state = self.zero.optim_state
+        sq_norm, overflow = state.reduce_grad_stats(
+            need_norm=clip > 0, need_overflow=self.config.fp16.enabled)
+        if overflow:
+            self.skipped_steps += 1
+            logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
+                        self.global_steps, self.loss_scaler.scale)
+        else:
+            inv = 1.0 / (self.comm.size * self.loss_scaler.scale)
+            coef = 1.0
+            if clip > 0:
+                norm = math.sqrt(sq_norm) * inv
+                coef = min(1.0, clip / (norm + 1e-6))
+            state.scale_grads(inv * coef)
+            state.attach_grads()
+            self.optimizer.step()
+            state.sync_params()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.zero.zero_grads()
+        self.global_steps += 1
+        self.micro_steps += 1
+        self._times["step"] += time.perf_counter() - t0
+        self._close_window()
+
+    def _close_window(self) -> None:
+        self._window_open = False
+        self._last_comm = self.comm_stats.by_op()
+        self._last_peak = self.zero.memory.peak
+        if self.global_steps % self.config.steps_per_print == 0:
+            logger.info("step %d lr %s loss_scale %g", self.global_steps, self.get_lr(),
+                        self.loss_scaler.scale)
+            if self.config.wall_clock_breakdown:
+                logger.info("step %d time (s) forward %.4f backward %.4f step %.4f",
+                            self.global_steps, *self._times.values())
+        self._times = dict.fromkeys(self._times, 0.0)
+
+    # -- reports ---------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes this rank holds at rest: ``{category: {"device", "host", "nvme"}}`` for
+        params, master_params, grads and optimizer_states, plus ``gathered_params_peak`` (the
+        most full-parameter bytes alive at once during the last step)."""
+        report = self.zero.memory_report(self.optimizer)
+        report["gathered_params_peak"] = self._last_peak
+        return report
+
+    def comm_report(self) -> dict:
+        """``{op: {count, bytes, seconds, exposed_seconds}}`` of the last optimizer step."""
+        return {op: dict(v) for op, v in self._last_comm.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{name: full fp32 CPU tensor}`` on every rank (a collective: call it on all)."""
+        return self.zero.full_state_dict()
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | type | Callable | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Callable | None = None,
+    config: Config | dict | str | os.PathLike | None = None,
+    config_params: Config | dict | str | os.PathLike | None = None,
+) -> tuple[Engine, torch.optim.Optimizer, None, Any]:
+    """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
+
+    The config is a ds_config dict, a path to a JSON file, or a :class:`Config`; every key is
+    validated before any work starts. Initialises the process group from torchrun's
+    environment if needed (a world of one without torchrun).
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if training_data is not None:
+        raise ValueError("training_data is not supported: build a DataLoader with a "
+                         "DistributedSampler over the data-parallel ranks yourself")
+    if config is not None and config_params is not None:
+        raise ValueError("pass config or config_params, not both")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
+    cfg = load_config(config)
+    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                    lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,140 @@
+"""Build the torch optimizer that steps this rank's fp32 master fragments.
+
+The user's choice of optimizer, in DeepSpeed's order of precedence:
+    * a ``torch.optim.Optimizer`` instance: rebuilt over fragments with the same class,
+      defaults and per-group hyperparameters;
+    * an optimizer class or a callable ``f(param_groups) -> Optimizer``;
+    * the config's ``optimizer`` block (Adam, AdamW, SGD).
+Each fragment lands in the param group of the parameter it came from. On CPU the fused
+kernels are requested explicitly (``fused=None`` never picks them on CPU).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshzero.config import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _param_groups(
+    model: nn.Module, model_parameters: Iterable[Any] | None
+) -> list[dict[str, Any]]:
+    """Normalise ``model_parameters`` (params or group dicts) into group dicts."""
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+def _fragment_groups(
+    groups: list[dict[str, Any]], fragments: dict[nn.Parameter, list[nn.Parameter]]
+) -> list[dict[str, Any]]:
+    """Replace every parameter in ``groups`` by its fragments; check nothing is left out."""
+    covered: set[int] = set()
+    out = []
+    for group in groups:
+        params = []
+        for p in group["params"]:
+            if p not in fragments:  # frozen, or not a parameter of the model
+                raise ValueError(
+                    "model_parameters/optimizer holds a tensor that is not a trainable "
+                    f"parameter of the model (shape {tuple(p.shape)})"
+                )
+            covered.add(id(p))
+            params.extend(fragments[p])
+        out.append(dict(group, params=params))
+    missing = [p for p in fragments if id(p) not in covered]
+    if missing:
+        shapes = [tuple(p.shape) for p in missing[:5]]
+        raise ValueError(
+            f"{len(missing)} trainable parameter(s) (shapes {shapes}...) are not in the "
+            "optimizer's param groups; freeze them (requires_grad=False) or pass them"
+        )
+    if not any(g["params"] for g in out):
+        # this rank's shard holds only padding: keep an empty placeholder so torch accepts it
+        out[0]["params"] = [nn.Parameter(torch.zeros(0))]
+    return out
+
+
+def _wants_fused(cls: type, fused: Any, device: torch.device) -> bool:
+    if fused is not None or not issubclass(cls, _FUSED_CLASSES):
+        return bool(fused)
+    return device.type in ("cpu", "cuda")
+
+
+def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    params = dict(cfg.validated_params())
+    if cfg.type == "Adam":
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
+        cls = torch.optim.AdamW if params.pop("adam_w_mode") else torch.optim.Adam
+    else:
+        cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[cfg.type]
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return cls, params
+
+
+def build_optimizer(
+    *,
+    model: nn.Module,
+    fragments: dict[nn.Parameter, list[nn.Parameter]],
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | type | Callable | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    config: OptimizerConfig | None = None,
+) -> torch.optim.Optimizer:
+    if optimizer is not None and config is not None:
+        raise ValueError("both an optimizer argument and the config key 'optimizer' are given; "
+                         "pass one of them")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = [dict(g) for g in optimizer.param_groups]
+        cls, kwargs = type(optimizer), dict(optimizer.defaults)
+    else:
+        groups = _param_groups(model, model_parameters)
+        if optimizer is None:
+            if config is None:
+                raise ValueError("no optimizer: pass optimizer= to initialize() or set the "
+                                 "config key 'optimizer'")
+            cls, kwargs = _from_config(config)
+        else:
+            return _call_user_factory(optimizer, _fragment_groups(groups, fragments))
+    frag_groups = _fragment_groups(groups, fragments)
+    if "fused" in inspect.signature(cls.__init__).parameters:
+        fused = _wants_fused(cls, kwargs.get("fused"), device)
+        kwargs["fused"] = fused
+        if fused:
+            kwargs["foreach"] = None
+        for g in frag_groups:
+            g["fused"] = fused
+            if fused and "foreach" in g:
+                g["foreach"] = None
+    return cls(frag_groups, **_constructor_kwargs(cls, kwargs))
+
+
+def _constructor_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` may hold keys the constructor does not take (AdamW's
+    decoupled_weight_decay); keep those it accepts (all of them if it takes ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _call_user_factory(factory: Callable, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    opt = factory(groups)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"optimizer callable returned {type(opt).__name__}, not a "
+                         "torch.optim.Optimizer")
+    return opt

@@ -1,0 +1,117 @@
+"""The named device mesh (pp, dp, tp) and its process groups.
+
+Ranks are laid out with tp innermost (inside a node), then dp, then pp outermost, so that
+``rank = (pp_index * dp + dp_index) * tp + tp_index``. Only the ``dp`` axis is used today;
+``pp`` and ``tp`` are part of the object so they slot in without changing callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+AXES = ("pp", "dp", "tp")
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group if it is not already.
+
+    Under torchrun (RANK/WORLD_SIZE in the environment) the env:// rendezvous is used; a plain
+    ``python train.py`` gets a world of one process. Backend: NCCL with one device per local
+    rank when CUDA is available, gloo otherwise.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    logger.debug("initialised %s process group of %d ranks", backend, dist.get_world_size())
+
+
+def default_device() -> torch.device:
+    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class Topology:
+    """This rank's place in the (pp, dp, tp) mesh and the process group of each axis."""
+
+    world_size: int
+    rank: int
+    sizes: dict[str, int]
+    coords: dict[str, int]
+    groups: dict[str, dist.ProcessGroup | None]  # None: the axis has size 1
+    device: torch.device
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.groups["dp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes["pp"]
+
+
+def _axis_ranks(sizes: dict[str, int], axis: str) -> list[list[int]]:
+    """Every group of ranks that vary only along ``axis`` (all ranks must create all groups)."""
+    pp, dp, tp = (sizes[a] for a in AXES)
+    rank_of = lambda i, j, k: (i * dp + j) * tp + k  # noqa: E731
+    if axis == "tp":
+        return [[rank_of(i, j, k) for k in range(tp)] for i in range(pp) for j in range(dp)]
+    if axis == "dp":
+        return [[rank_of(i, j, k) for j in range(dp)] for i in range(pp) for k in range(tp)]
+    return [[rank_of(i, j, k) for i in range(pp)] for j in range(dp) for k in range(tp)]
+
+
+def build_topology(tp_size: int = 1, pp_size: int = 1) -> Topology:
+    """Build the mesh over the initialised world. ``dp = world / (tp * pp)``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"tensor_parallel.size ({tp_size}) x pipeline_parallel.size ({pp_size}) = "
+            f"{tp_size * pp_size} does not divide the world size {world}"
+        )
+    sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
+    coords = {
+        "tp": rank % tp_size,
+        "dp": (rank // tp_size) % sizes["dp"],
+        "pp": rank // (tp_size * sizes["dp"]),
+    }
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    for axis in AXES:
+        if sizes[axis] == 1:  # nothing to communicate along this axis
+            groups[axis] = None
+            continue
+        if sizes[axis] == world:
+            groups[axis] = dist.group.WORLD
+            continue
+        for ranks in _axis_ranks(sizes, axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[axis] = group
+    return Topology(world, rank, sizes, coords, groups, default_device())

@@ -1,0 +1,140 @@
+"""Gradient reduction that overlaps backward.
+
+Each trainable parameter gets a post-accumulate-grad hook that adds its gradient into its
+group's flat fp32 buffer and drops ``param.grad``. When every trainable parameter of a unit
+has reported, the unit is *ready*. Ready units are reduced in one fixed order (reverse unit
+index, i.e. roughly backward order) so every rank issues the same collectives in the same
+order even if readiness differs; ``finish_backward`` reduces whatever never became ready
+(unused parameters reduce as zeros, never a hang) and waits for everything in flight.
+
+Per stage, for a group of padded size P and shard S:
+    stage 0: all-reduce grad_full (P,) on the accumulation boundary only
+    stage 1: reduce-scatter grad_full (P,) -> grad (S,) on the boundary only
+    stage 2/3: reduce-scatter the transient grad_full (P,) -> += grad (S,) every micro-step
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from meshzero.comm import Communicator, Handle
+from meshzero.zero.flat_buffer import FlatGroup
+
+
+class GradientReducer:
+    def __init__(
+        self,
+        units: list[list[FlatGroup]],
+        comm: Communicator,
+        *,
+        stage: int,
+        comm_dtype: torch.dtype,
+        bucket_numel: int,
+        on_unit_ready: Callable[[int], None] | None = None,
+    ):
+        self.units = units
+        self.comm = comm
+        self.stage = stage
+        self.comm_dtype = comm_dtype
+        self.bucket_numel = bucket_numel
+        self.on_unit_ready = on_unit_ready
+        self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
+        self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
+        self.inflight: deque[tuple[Handle, Callable[[], None], int]] = deque()
+        self.grads_are_zero = True
+        self._reduce_now = False
+        self._reset()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(u, g, i))
+            for u, groups in enumerate(units)
+            for g in groups
+            if g.trainable
+            for i, p in enumerate(g.params)
+        ]
+
+    def _reset(self) -> None:
+        self.remaining = list(self.num_trainable)
+        self.ready = [False] * len(self.units)
+        self.next_pos = 0
+
+    def _make_hook(self, unit: int, group: FlatGroup, index: int):
+        def hook(param: torch.Tensor) -> None:
+            with torch.no_grad():
+                group.accumulate(index, param.grad)
+            param.grad = None
+            self.remaining[unit] -= 1
+            if self.remaining[unit] == 0:
+                self._unit_ready(unit)
+
+        return hook
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Stages 0-1 reduce only on the accumulation boundary; stages 2-3 every micro-step."""
+        self._reduce_now = boundary or self.stage >= 2
+
+    def _unit_ready(self, unit: int) -> None:
+        self.ready[unit] = True
+        if self.on_unit_ready is not None:
+            self.on_unit_ready(unit)
+        if not self._reduce_now:
+            return
+        while self.next_pos < len(self.order) and self.ready[self.order[self.next_pos]]:
+            self._launch(self.order[self.next_pos])
+            self.next_pos += 1
+
+    def finish_backward(self) -> None:
+        """Reduce units that never became ready (unused params) and wait for all reductions."""
+        if self._reduce_now:
+            for u in self.order[self.next_pos:]:
+                self._launch(u)
+            self.grads_are_zero = False
+        self.drain()
+        self._reset()
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        handle, finish, _ = self.inflight.popleft()
+        handle.wait()
+        with torch.no_grad():
+            finish()
+
+    def _launch(self, unit: int) -> None:
+        for group in self.units[unit]:
+            if not group.trainable:
+                continue
+            numel = group.layout.padded_numel
+            while self.inflight and sum(n for *_, n in self.inflight) + numel > self.bucket_numel:
+                self._finish_oldest()
+            with torch.no_grad():
+                handle, finish = self._reduce(group)
+            self.inflight.append((handle, finish, numel))
+
+    def _reduce(self, group: FlatGroup) -> tuple[Handle, Callable[[], None]]:
+        src = group.grad_target()
+        send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
+        if self.stage == 0:
+            handle = self.comm.all_reduce(send)
+            return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)
+        direct = self.stage >= 2 and self.grads_are_zero and send.dtype == group.grad.dtype
+        out = group.grad if direct else torch.empty_like(send[: group.layout.shard_numel])
+        handle = self.comm.reduce_scatter(out, send)
+
+        def finish() -> None:
+            if self.stage == 1:
+                group.grad.copy_(out)
+            elif not direct:
+                group.grad.add_(out)
+            group.drop_transient_grad()
+
+        return handle, finish
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

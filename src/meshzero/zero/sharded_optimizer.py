@@ -1,0 +1,109 @@
+"""The optimizer side of ZeRO: fp32 master fragments, global-norm clipping, overflow checks
+and writing the updated shards back into the compute parameters.
+
+For every fragment (the part of a parameter inside this rank's owned range) we make a leaf
+tensor that *views* the flat master, with ``.grad`` viewing the flat gradient, so any
+``torch.optim`` optimizer steps the shard in place without knowing about sharding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from torch import nn
+
+from meshzero.comm import Communicator, Handle
+from meshzero.zero.flat_buffer import FlatGroup
+
+
+class ShardedOptimizerState:
+    """Master fragments of every trainable group and the step-time arithmetic on them."""
+
+    def __init__(self, groups: list[FlatGroup], comm: Communicator, *, stage: int,
+                 allgather_bucket_numel: int):
+        self.groups = groups
+        self.comm = comm
+        self.stage = stage
+        self.allgather_bucket_numel = allgather_bucket_numel
+        # original parameter -> its fragments on this rank (possibly none)
+        self.fragments: dict[nn.Parameter, list[nn.Parameter]] = {}
+        self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for group in groups:
+            if not group.trainable:
+                continue
+            lo, hi = group.owned
+            param_of = dict(zip(group.layout.slots, group.params, strict=True))
+            for frag in group.layout.fragments(lo, hi):
+                a, b = frag.local_offset, frag.local_offset + frag.numel
+                leaf = nn.Parameter(group.master[a:b], requires_grad=True)
+                grad_view = group.grad[a:b]
+                leaf.grad = grad_view
+                param = param_of[frag.slot]
+                self.fragments.setdefault(param, []).append(leaf)
+                self._grad_views.append((leaf, grad_view))
+            for p in group.params:
+                self.fragments.setdefault(p, [])
+
+    def attach_grads(self) -> None:
+        """Re-point every fragment's ``.grad`` at the flat gradient (a user's zero_grad may
+        have set it to None)."""
+        for leaf, view in self._grad_views:
+            leaf.grad = view
+
+    def _trainable(self):
+        return (g for g in self.groups if g.trainable)
+
+    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool) -> tuple[float, bool]:
+        """Squared L2 norm of all gradients and whether any is inf/nan, over every rank.
+
+        The owned ranges of all ranks partition the model at stages 1-3 (padding is zero), so
+        one all-reduce of the local sums gives the global values. At stage 0 every rank owns
+        the whole, already reduced, gradient and no communication is needed.
+        """
+        if not (need_norm or need_overflow):
+            return 0.0, False
+        device = self.comm_device()
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
+        for g in self._trainable():
+            if need_norm:
+                stats[0] += g.grad.double().pow(2).sum()
+            if need_overflow:
+                stats[1] += (~torch.isfinite(g.grad)).sum()
+        if self.stage >= 1:
+            self.comm.all_reduce(stats).wait()
+        sq, bad = stats.tolist()
+        return sq, bad > 0 or (need_norm and not math.isfinite(sq))
+
+    def comm_device(self) -> torch.device:
+        for g in self.groups:
+            return g.full.device
+        return torch.device("cpu")
+
+    def scale_grads(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        for g in self._trainable():
+            g.grad.mul_(factor)
+
+    def sync_params(self) -> None:
+        """Cast the updated master into the compute params, then all-gather resident buffers."""
+        inflight: deque[tuple[Handle, int]] = deque()
+        for g in self.groups:
+            g.copy_master_to_params()
+            if not g.needs_param_all_gather:
+                continue
+            numel = g.layout.padded_numel
+            while inflight and sum(n for _, n in inflight) + numel > self.allgather_bucket_numel:
+                inflight.popleft()[0].wait()
+            lo, hi = g.layout.shard_range(self.comm.rank)
+            # In-place all-gather: this rank's slice of ``full`` is both input and output.
+            inflight.append((self.comm.all_gather(g.full, g.full[lo:hi]), numel))
+        while inflight:
+            inflight.popleft()[0].wait()
+
+    def zero_grads(self) -> None:
+        for g in self._trainable():
+            g.zero_grad()
+

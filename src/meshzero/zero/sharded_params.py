@@ -1,0 +1,200 @@
+"""Stage 3: parameters at rest are only this rank's shard; units are gathered around use.
+
+Hooks per unit module:
+    forward pre-hook   gather_parameters(unit) (waiting on a prefetch if one was issued),
+                       then prefetch the next units of the recorded forward order
+    forward post-hook  release_parameters(unit) (unless it is reused soon, see below) and
+                       hook the outputs so the unit is gathered again before its backward
+    output grad hook   gather_parameters(unit), prefetch the next units of the backward order
+    grads ready        release_parameters(unit) (called by the GradientReducer)
+
+Orders are recorded during the first step and are the same on every rank, so prefetch
+all-gathers are issued in the same order everywhere. Releasing frees the storage of the
+unit's full flat buffer; the parameter tensors (views of it) stay the same objects, so
+tensors saved by autograd are refilled by the next gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from meshzero.comm import Communicator, Handle
+from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) tuple/list/dict output."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, tuple | list):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+class GatheredMemory:
+    """Bytes of full parameter buffers alive now and their peak since the last reset."""
+
+    def __init__(self, resident: int):
+        self.resident = resident  # full buffers that never leave (stages 0-2, persistent)
+        self.current = resident
+        self.peak = resident
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class ParameterSharder:
+    """Gathers and releases the sharded groups of every unit around its forward/backward."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        units: list[list[FlatGroup]],
+        comm: Communicator,
+        memory: GatheredMemory,
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
+    ):
+        self.units = [[g for g in gs if g.sharded] for gs in units]
+        self.comm = comm
+        self.memory = memory
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.numel = [sum(g.layout.padded_numel for g in gs) for gs in self.units]
+        self.pending: dict[int, list[Handle]] = {}
+        self.gathered = [False] * len(self.units)
+        self.fwd_order: list[int] = []
+        self.bwd_order: list[int] = []
+        self.recording = True
+        self.fwd_pos = 0
+        self.bwd_pos = 0
+        self._handles = []
+        for u, module in enumerate(modules):
+            if self.numel[u] == 0:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(u)))
+
+    # -- gather / release -------------------------------------------------------------------
+    def gather_parameters(self, unit: int) -> None:
+        """Issue the all-gathers of ``unit`` (no wait). A no-op if gathered or in flight."""
+        if self.gathered[unit] or unit in self.pending:
+            return
+        handles = []
+        for g in self.units[unit]:
+            alloc_storage(g.full)
+            self.memory.add(g.full_nbytes)
+            handles.append(self.comm.all_gather(g.full, g.shard))
+        self.pending[unit] = handles
+
+    def wait_parameters(self, unit: int) -> None:
+        self.gather_parameters(unit)
+        for h in self.pending.pop(unit, []):
+            h.wait()
+        self.gathered[unit] = True
+
+    def release_parameters(self, unit: int) -> None:
+        if unit in self.pending:
+            self.wait_parameters(unit)
+        if not self.gathered[unit]:
+            return
+        for g in self.units[unit]:
+            free_storage(g.full)
+            self.memory.add(-g.full_nbytes)
+        self.gathered[unit] = False
+
+    def release_all(self) -> None:
+        for u in range(len(self.units)):
+            self.release_parameters(u)
+
+    def _live_numel(self) -> int:
+        return sum(self.numel[u] for u in range(len(self.units))
+                   if self.gathered[u] or u in self.pending)
+
+    def _prefetch(self, order: list[int], pos: int) -> None:
+        """Gather the units after ``pos`` in ``order`` within the prefetch and live budgets."""
+        budget = self.prefetch_numel
+        for u in order[pos + 1:]:
+            if self.gathered[u] or u in self.pending:
+                continue
+            if self.numel[u] > budget or self._live_numel() + self.numel[u] > self.max_live_numel:
+                return
+            budget -= self.numel[u]
+            self.gather_parameters(u)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: int):
+        def pre_forward(module, args):
+            if self.recording:
+                self.fwd_order.append(unit)
+            self.wait_parameters(unit)
+            if not self.recording:
+                self._prefetch(self.fwd_order, self.fwd_pos)
+            self.fwd_pos += 1
+
+        return pre_forward
+
+    def _reused_soon(self, unit: int) -> bool:
+        """Whether ``unit`` runs again in this forward within max_reuse_distance elements."""
+        if self.recording:
+            return False
+        distance = 0
+        for u in self.fwd_order[self.fwd_pos:]:
+            if u == unit:
+                return distance <= self.max_reuse_distance
+            distance += self.numel[u]
+        return False
+
+    def _make_post_forward(self, unit: int):
+        def post_forward(module, args, output):
+            if not self._reused_soon(unit):
+                self.release_parameters(unit)
+            if torch.is_grad_enabled():
+                needs_grad = [t for t in _tensors(output) if t.requires_grad]
+                if needs_grad:
+                    register_multi_grad_hook(needs_grad, self._make_pre_backward(unit),
+                                             mode="any")
+            return None
+
+        return post_forward
+
+    def _make_pre_backward(self, unit: int):
+        def pre_backward(_grad) -> None:
+            if self.recording:
+                self.bwd_order.append(unit)
+            self.wait_parameters(unit)
+            if not self.recording:
+                self._prefetch(self.bwd_order, self.bwd_pos)
+            self.bwd_pos += 1
+
+        return pre_backward
+
+    def start_forward(self) -> None:
+        """Called by the engine before every forward pass."""
+        self.fwd_pos = 0
+        if self.recording:  # keep only the forward that precedes the first backward
+            self.fwd_order.clear()
+
+    def start_backward(self) -> None:
+        self.bwd_pos = 0
+
+    def end_backward(self) -> None:
+        """After a backward: release everything; the first step's orders are now recorded."""
+        self.release_all()
+        self.recording = False
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
