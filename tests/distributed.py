@@ -39,10 +39,12 @@ FAILURE_GRACE_S = 0.5  # after a first failure, how long to gather the others
 PRELOAD_MODULES = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # torch.optim's first step imports it lazily: 2.7 s per rank otherwise
     "pytest",
     "meshzero",
     "tests.distributed",
     "tests.models",
+    "tests.engine_runs",
 )
 _CTX = multiprocessing.get_context("forkserver")
 _call_ids = itertools.count()
