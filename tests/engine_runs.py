@@ -11,7 +11,6 @@ import torch
 import meshzero
 from tests.models import build_model, loss_fn_for, make_batches, split_for_rank
 
-
 # Adam's eps: with 1e-8, an element whose gradient is a near-exact cancellation has
 # m / sqrt(v) ~ +-1 whatever its size, so summation-order round-off (one rank vs N) turns into
 # lr-sized differences (seen: grad -1.4e-7 at step 1, 1.2e-5 apart at eps 1e-6). eps 1e-4

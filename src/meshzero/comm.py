@@ -14,6 +14,7 @@ spent blocked waiting for it, i.e. what was not hidden behind compute.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -71,10 +72,11 @@ class Handle:
         self._buffers = buffers  # keep in-flight memory alive (instead of record_stream)
         self._done_at: list[float] = []
         if work is not None:
-            try:  # completion time where the backend offers futures (NCCL; gloo for some ops)
+            # Completion time where the backend offers futures (NCCL); gloo's tensor
+            # collectives raise "Work::getFuture not implemented", and then the end of an op
+            # is taken as the moment its wait returns (an upper bound).
+            with contextlib.suppress(RuntimeError):
                 work.get_future().then(lambda _fut: self._done_at.append(time.perf_counter()))
-            except RuntimeError:  # "Work::getFuture not implemented": end = when wait returns
-                pass
 
     def wait(self) -> None:
         if self._buffers is None:

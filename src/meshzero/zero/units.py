@@ -17,7 +17,6 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 # Shards are padded to a multiple of 4 elements (16 bytes in fp32) so every shard starts aligned.
