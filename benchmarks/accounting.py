@@ -1,0 +1,118 @@
+"""Model-state bytes and communication per rank, measured by the engine, against the ZeRO
+formulas, for every stage at several world sizes.
+
+    python benchmarks/accounting.py --world-sizes 1 2 4 --stages 0 1 2 3 [--bf16]
+
+Each (stage, world size) runs under torchrun (gloo on CPU), trains a few steps of an
+MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. Formulas
+(psi = parameters, N = ranks, AdamW, fp32 / bf16 compute with fp32 master):
+
+    model states:  stage 0: (p + m + 4 + 8) psi        stage 1: (p + 4) psi + (m + 8) psi / N
+                   stage 2: p psi + (m + 4 + 8) psi/N  stage 3: (p + m + 4 + 8) psi / N
+                   with p = 4 (fp32) or 2 (bf16) bytes, m = 0 (fp32) or 4 (bf16 master)
+    comm per step: stage 0-2: 2 psi b (N-1)/N          stage 3: 3 psi b (N-1)/N
+                   (stage 3 bf16: 2 psi * 2 gathered + psi * 4 reduced, times (N-1)/N)
+
+The measured numbers include padding (each unit padded to N * 4 elements) and Adam's 4-byte
+step counter per fragment, so they sit slightly above the formulas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+
+def build_model(dim: int, blocks: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                            nn.Linear(4 * dim, dim)) for _ in range(blocks)]
+    return nn.Sequential(nn.Linear(dim, dim), nn.Sequential(*layers), nn.Linear(dim, dim))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import meshzero
+
+    model = build_model(args.dim, args.blocks)
+    psi = sum(p.numel() for p in model.parameters())
+    config = {
+        "train_batch_size": 8 * int(os.environ.get("WORLD_SIZE", "1")),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": args.bf16},
+        "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0,
+                              "unit_classes": ["Sequential"]},
+    }
+    engine, *_ = meshzero.initialize(model=model, config=config)
+    for _ in range(2):
+        x = torch.randn(8, args.dim)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps({"psi": psi, "memory": engine.memory_report(),
+                                      "comm": engine.comm_report()}))
+    torch.distributed.destroy_process_group()
+
+
+def formulas(stage: int, psi: int, n: int, bf16: bool) -> tuple[float, float]:
+    p, m = (2, 4) if bf16 else (4, 0)
+    states = {
+        0: (p + m + 4 + 8) * psi,
+        1: (p + 4) * psi + (m + 8) * psi / n,
+        2: p * psi + (m + 4 + 8) * psi / n,
+        3: (p + m + 4 + 8) * psi / n,
+    }[stage]
+    if stage == 3:
+        comm = (2 * psi * p + psi * 4) * (n - 1) / n
+    else:
+        comm = 2 * psi * (4 if stage == 0 else (4 + p) / 2) * (n - 1) / n
+    return states, comm
+
+
+def run(args: argparse.Namespace) -> None:
+    rows = ["| stage | N | psi | params | master | grads | optim | states (measured) | "
+            "states (formula) | ratio | comm B/step (measured) | comm (formula) | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for stage in args.stages:
+        for n in args.world_sizes:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={n}", __file__, "--worker", "--stage", str(stage),
+                   "--dim", str(args.dim), "--blocks", str(args.blocks)]
+            if args.bf16:
+                cmd.append("--bf16")
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+            res = json.loads(line[len("RESULT "):])
+            mem = {k: v["device"] for k, v in res["memory"].items() if isinstance(v, dict)}
+            states = sum(mem.values())
+            comm = sum(v["bytes"] for v in res["comm"].values())
+            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16)
+            ratio = f"{comm / f_comm:.4f}" if f_comm else "-"
+            rows.append(
+                f"| {stage} | {n} | {res['psi']} | {mem['params']} | {mem['master_params']} | "
+                f"{mem['grads']} | {mem['optimizer_states']} | {states} | {f_states:.0f} | "
+                f"{states / f_states:.4f} | {comm} | {f_comm:.0f} | {ratio} |")
+    print("\n".join(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    worker(args) if args.worker else run(args)
+
+
+if __name__ == "__main__":
+    main()
