@@ -154,3 +154,15 @@ def test_stage3_gathered_peak_is_bounded_by_units_in_flight(tmp_path):
     root, blocks = units[0], units[1:]
     peak = r.memory["gathered_params_peak"]
     assert root + max(blocks) <= peak <= root + 2 * max(blocks) < sum(units)
+
+
+@pytest.mark.parametrize("stage, reductions_per_step", [(0, 1), (1, 1), (2, 2), (3, 2)])
+def test_accumulation_communicates_on_the_boundary_only_at_stages_0_1(tmp_path, stage,
+                                                                     reductions_per_step):
+    """Two micro-steps per step: stages 0-1 reduce once (at the boundary); stages 2-3 reduce
+    every micro-step into the gradient shard."""
+    cfg = zero_config(stage, global_batch=16, grad_accum=2)
+    r = run_distributed(train, 2, tmp_path, "mlp", cfg, STEPS)[0]
+    units = len(_units("mlp"))
+    op = "all_reduce" if stage == 0 else "reduce_scatter"
+    assert r.comm[op]["count"] == units * reductions_per_step

@@ -180,9 +180,8 @@ class Engine(nn.Module):
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         t0 = time.perf_counter()
         self.zero.start_backward(self.is_gradient_accumulation_boundary())
-        factor = self.loss_scaler.scale / self.grad_accum
-        scaled = loss.float() * factor if self.loss_scaler.scale != 1.0 else loss * factor
-        scaled.backward()
+        # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
+        (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
         self.zero.finish_backward()
         self._times["backward"] += time.perf_counter() - t0
         return loss

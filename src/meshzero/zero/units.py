@@ -180,12 +180,10 @@ def _common_unit(unit_paths: list[str], owners: list[str]) -> str:
     """The deepest unit that is an ancestor-or-self of every unit in ``owners``."""
     parts = [o.split(".") if o else [] for o in owners]
     prefix: list[str] = []
-    for segs in zip(*parts, strict=False):
+    for segs in zip(*parts, strict=False):  # stops at the shortest path
         if len(set(segs)) != 1:
             break
         prefix.append(segs[0])
-    if any(len(p) < len(prefix) for p in parts):
-        prefix = prefix[: min(len(p) for p in parts)]
     return _owner(unit_paths, ".".join(prefix))
 
 
