@@ -14,7 +14,7 @@ IN, HIDDEN, OUT, SEED = 16, 64, 4, 0
 
 
 class Block(nn.Module):
-    """x + fc2(gelu(fc1(norm(x)))); the repeated blocks become ZeRO units."""
+    """x + fc2(gelu(fc1(norm(x)))); the repeated blocks become the ZeRO units."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -69,7 +69,7 @@ def main() -> None:
     if rank == 0:
         mem = engine.memory_report()
         peak = mem.pop("gathered_params_peak")
-        print("memory (bytes):", {k: v["device"] for k, v in mem.items()},
+        print("memory on device (bytes):", {k: v["device"] for k, v in mem.items()},
               "gathered_params_peak", peak)
         for op, s in engine.comm_report().items():
             print(f"comm {op}: count {s['count']} bytes {s['bytes']} "

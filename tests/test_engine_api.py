@@ -63,6 +63,20 @@ def _grouped_adamw(model):
     return torch.optim.AdamW(_two_groups(model), lr=1e-2, eps=ADAM_EPS)
 
 
+def _adamw_class(model):
+    return torch.optim.AdamW  # a class: built over the fragments with its own defaults
+
+
+def test_optimizer_class_is_built_over_fragments(tmp_path):
+    results = run_distributed(_train_with, 2, tmp_path, _no_optimizer_config(3), 2,
+                              make_optimizer=_adamw_class)
+    ref = reference_train(lambda: build_model("mlp"), make_batches("mlp", 2, 8), lr=1e-3)
+    for params, lrs, _ in results:
+        assert lrs[-1] == [1e-3]
+        for name, want in ref.params.items():
+            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6)
+
+
 def test_param_groups_keep_their_hyperparameters(tmp_path):
     """Two groups with different weight decay and a callable scheduler."""
     results = run_distributed(_train_with, 2, tmp_path, _no_optimizer_config(2), 3,
@@ -153,6 +167,8 @@ def _stage3_at_rest(rank, world_size):
     with torch.no_grad():  # eval forward at rest gathers and releases again
         engine(torch.zeros(2, 7))
     after_eval = [g.full.untyped_storage().nbytes() for g in engine.zero.groups]
+    # on CPU the fused optimizer kernels must be asked for (fused=None never picks them)
+    assert all(g["fused"] for g in engine.optimizer.param_groups)
     return freed, same_objects, after_eval
 
 

@@ -33,4 +33,4 @@ def test_train_minimal_loss_falls(launcher: list[str]) -> None:
     losses = [float(loss) for _, loss in LOSS_LINE.findall(proc.stdout)]
     assert len(losses) >= 2, f"no loss lines in the output:\n{proc.stdout}\n{proc.stderr}"
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
-    assert "memory (bytes):" in proc.stdout and "comm all_gather" in proc.stdout
+    assert "memory on device (bytes):" in proc.stdout and "comm all_gather" in proc.stdout

@@ -65,3 +65,10 @@ def test_nested_units_claim_their_own_params():
     assert [u.path for u in layout.units] == ["", "0", "0.0", "0.1", "1", "1.0", "1.1"]
     assert layout.units[0].numel == 0 and layout.units[1].numel == 0
     assert layout.slots["0.1.weight"].unit == 3
+
+
+def test_default_units_stop_at_the_outermost_repeated_block():
+    block = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))  # noqa: E731
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(block(), block()), nn.Linear(4, 4))
+    # the two outer Linears repeat at the top level; the blocks repeat inside model[1]
+    assert choose_units(model) == ["", "0", "1.0", "1.1", "2"]

@@ -68,8 +68,10 @@ def _fragment_groups(
     return out
 
 
-def _wants_fused(cls: type, fused: Any, device: torch.device) -> bool:
-    if fused is not None or not issubclass(cls, _FUSED_CLASSES):
+def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> bool:
+    """Fused kernels unless the user chose (fused=False, or foreach=True) or cannot have them."""
+    fused = kwargs.get("fused")
+    if fused is not None or kwargs.get("foreach") or not issubclass(cls, _FUSED_CLASSES):
         return bool(fused)
     return device.type in ("cpu", "cuda")
 
@@ -101,6 +103,9 @@ def build_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls, kwargs = type(optimizer), dict(optimizer.defaults)
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        groups = _param_groups(model, model_parameters)
+        cls, kwargs = optimizer, {}
     else:
         groups = _param_groups(model, model_parameters)
         if optimizer is None:
@@ -112,7 +117,7 @@ def build_optimizer(
             return _call_user_factory(optimizer, _fragment_groups(groups, fragments))
     frag_groups = _fragment_groups(groups, fragments)
     if "fused" in inspect.signature(cls.__init__).parameters:
-        fused = _wants_fused(cls, kwargs.get("fused"), device)
+        fused = _wants_fused(cls, kwargs, device)
         kwargs["fused"] = fused
         if fused:
             kwargs["foreach"] = None

@@ -126,44 +126,40 @@ def padded_shard_numel(numel: int, num_shards: int) -> int:
     return math.ceil(math.ceil(numel / num_shards) / ALIGN) * ALIGN
 
 
-def default_unit_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """Classes that repeat as siblings in a ModuleList/Sequential and hold parameters."""
-    classes: set[type[nn.Module]] = set()
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
-            continue
-        counts = Counter(type(child) for child in module.children())
-        for child in module.children():
-            has_params = any(True for _ in child.parameters())
-            if counts[type(child)] >= 2 and has_params:
-                classes.add(type(child))
-    return classes
+def default_units(module: nn.Module, prefix: str = "") -> list[str]:
+    """Paths of the repeated blocks: children of a ModuleList/Sequential whose class occurs
+    two or more times among the siblings and holds parameters. Search is top-down and stops
+    at a chosen block, so the Linears inside repeated transformer blocks are not units too."""
+    counts = Counter(type(c) for c in module.children())
+    container = isinstance(module, nn.ModuleList | nn.Sequential)
+    paths = []
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        has_params = any(True for _ in child.parameters())
+        if container and counts[type(child)] >= 2 and has_params:
+            paths.append(path)
+        else:
+            paths.extend(default_units(child, path))
+    return paths
 
 
 def choose_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[str]:
     """Module paths of the units in pre-order; the root (``""``) is always first.
 
-    ``unit_classes`` names classes (``type(m).__name__``) that become units; by default the
-    repeated blocks of the model (see :func:`default_unit_classes`).
+    ``unit_classes`` names classes (``type(m).__name__``) whose every instance becomes a unit;
+    by default the repeated blocks of the model (see :func:`default_units`).
     """
     if unit_classes is None:
-        chosen = default_unit_classes(model)
-        match = lambda m: type(m) in chosen  # noqa: E731
-    else:
-        names = set(unit_classes)
-        present = {type(m).__name__ for m in model.modules()}
-        missing = sorted(names - present)
-        if missing:
-            raise ValueError(
-                f"zero_optimization.unit_classes = {sorted(names)}: no module of class "
-                f"{missing} in the model; classes present: {sorted(present)}"
-            )
-        match = lambda m: type(m).__name__ in names  # noqa: E731
-    paths = [""]
-    for path, module in model.named_modules():
-        if path and match(module):
-            paths.append(path)
-    return paths
+        return ["", *default_units(model)]
+    names = set(unit_classes)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = sorted(names - present)
+    if missing:
+        raise ValueError(
+            f"zero_optimization.unit_classes = {sorted(names)}: no module of class "
+            f"{missing} in the model; classes present: {sorted(present)}"
+        )
+    return ["", *(p for p, m in model.named_modules() if p and type(m).__name__ in names)]
 
 
 def _owner(unit_paths: list[str], module_path: str) -> str:
