@@ -16,6 +16,7 @@ from torch import nn
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
+from meshzero.zero.units import Fragment
 
 
 class ShardedOptimizerState:
@@ -29,6 +30,8 @@ class ShardedOptimizerState:
         self.allgather_bucket_numel = allgather_bucket_numel
         # original parameter -> its fragments on this rank (possibly none)
         self.fragments: dict[nn.Parameter, list[nn.Parameter]] = {}
+        # every fragment leaf with where it lives: (leaf, Fragment, its FlatGroup)
+        self.fragment_index: list[tuple[nn.Parameter, Fragment, FlatGroup]] = []
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
         for group in groups:
             if not group.trainable:
@@ -43,6 +46,7 @@ class ShardedOptimizerState:
                 param = param_of[frag.slot]
                 self.fragments.setdefault(param, []).append(leaf)
                 self._grad_views.append((leaf, grad_view))
+                self.fragment_index.append((leaf, frag, group))
             for p in group.params:
                 self.fragments.setdefault(p, [])
 
