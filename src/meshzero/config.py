@@ -40,7 +40,6 @@ class _Invalid(ValueError):
 # DeepSpeed keys meshzero recognises but does not implement yet: dotted key -> short note.
 # Remove an entry (and add the field to its model) when the feature lands.
 UNSUPPORTED_KEYS: dict[str, str] = {
-    "flops_profiler": "FLOPs profiler",
     "activation_checkpointing": "use torch.utils.checkpoint in the model instead",
     "tensorboard": "monitoring backend",
     "wandb": "monitoring backend",
@@ -334,6 +333,32 @@ class ZeroConfig(_Model):
         return value
 
 
+class FlopsProfilerConfig(_Model):
+    """`flops_profiler`: profile one whole optimizer step (every micro-step) at profile_step.
+
+    meshzero measures activation-checkpoint recomputation, so recompute_fwd_factor (an
+    assumed factor in DeepSpeed) must stay 0. peak_flops is meshzero's own key: the peak
+    FLOP/s of one rank's device for MFU (default: a table of known GPUs, or a short matmul
+    measured once on CPU)."""
+
+    enabled: Bool = False
+    profile_step: NonNegInt = 1
+    module_depth: Annotated[Int, Field(ge=-1)] = -1
+    top_modules: PosInt = 1
+    detailed: Bool = True
+    output_file: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    recompute_fwd_factor: NonNegFloat = 0.0
+    peak_flops: PosFloat | None = None
+
+    @field_validator("recompute_fwd_factor")
+    @classmethod
+    def _measured(cls, value: float) -> float:
+        if value != 0.0:
+            raise _Invalid("is not supported: meshzero measures recomputation (reported "
+                           "separately) instead of assuming a factor; use 0")
+        return value
+
+
 # --- top level -----------------------------------------------------------------------------
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -356,6 +381,7 @@ class Config(BaseModel):
     wall_clock_breakdown: Bool = False
     seed: NonNegInt | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
