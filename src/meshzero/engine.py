@@ -19,6 +19,8 @@ from meshzero.config import Config, load_config
 from meshzero.log import setup_logging
 from meshzero.optim import build_optimizer
 from meshzero.precision import LossScaler
+from meshzero.profiling.report import ProfileReport
+from meshzero.profiling.step import StepProfiler, emit
 from meshzero.schedulers import build_scheduler
 from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.state import ZeroModelState, ZeroOptions
@@ -108,6 +110,8 @@ class Engine(nn.Module):
         self._last_comm: dict = {}
         self._last_peak = self.zero.memory.peak
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._profiler: StepProfiler | None = None
+        self.last_profile: ProfileReport | None = None  # the report of the profiled step
 
     def _dp_src(self) -> int:
         group = self.topology.dp_group
@@ -167,6 +171,12 @@ class Engine(nn.Module):
             self._window_open = True
             self.comm_stats.reset()
             self.zero.memory.reset_peak()
+            fcfg = self.config.flops_profiler
+            if fcfg.enabled and self.global_steps == fcfg.profile_step:
+                self._profiler = StepProfiler(self, fcfg.profile_step)
+                self._profiler.start(args, kwargs)
+        if self._profiler is not None:
+            self._profiler.counter.set_phase("forward")
         t0 = time.perf_counter()
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
@@ -179,6 +189,8 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         t0 = time.perf_counter()
+        if self._profiler is not None:
+            self._profiler.counter.set_phase("backward")
         self.zero.start_backward(self.is_gradient_accumulation_boundary())
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
@@ -192,6 +204,8 @@ class Engine(nn.Module):
             self.micro_steps += 1
             return
         t0 = time.perf_counter()
+        if self._profiler is not None:
+            self._profiler.counter.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
         sq_norm, overflow = state.reduce_grad_stats(
@@ -223,6 +237,10 @@ class Engine(nn.Module):
         self._window_open = False
         self._last_comm = self.comm_stats.by_op()
         self._last_peak = self.zero.memory.peak
+        if self._profiler is not None:
+            self.last_profile = self._profiler.finish(dict(self._times))
+            self._profiler = None
+            emit(self.last_profile, self.config.flops_profiler.output_file)
         if self.global_steps % self.config.steps_per_print == 0:
             logger.info("step %d lr %s loss_scale %g", self.global_steps, self.get_lr(),
                         self.loss_scaler.scale)

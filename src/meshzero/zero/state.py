@@ -110,7 +110,21 @@ class ZeroModelState:
         self.optim_state.zero_grads()
         self.reducer.grads_are_zero = True
 
-    # -- reports --------------------------------------------------------------------------------
+    # -- reports ------------------------------------------------------------------------------
+    def held_numel(self) -> int:
+        """Parameter elements this rank holds at rest (padding included)."""
+        return sum(g.layout.shard_numel if g.sharded else g.layout.padded_numel
+                   for g in self.groups)
+
+    def held_numel_by_param(self) -> dict[int, int]:
+        """id(param) -> elements of it this rank holds at rest (no padding)."""
+        held = {}
+        for g in self.groups:
+            lo, hi = g.layout.shard_range(self.comm.rank) if g.sharded else (0, g.layout.numel)
+            for slot, p in zip(g.layout.slots, g.params, strict=True):
+                held[id(p)] = max(0, min(hi, slot.offset + slot.numel) - max(lo, slot.offset))
+        return held
+
     def _tier(self, t: torch.Tensor) -> str:
         return "device" if t.device == self.device else "host"
 
