@@ -194,6 +194,8 @@ class Engine(nn.Module):
         self.zero.start_backward(self.is_gradient_accumulation_boundary())
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
+        if self._profiler is not None:
+            self._profiler.counter.end_backward()
         self.zero.finish_backward()
         self._times["backward"] += time.perf_counter() - t0
         return loss

@@ -107,15 +107,20 @@ class FlopCounter:
         self._handles.clear()
 
     def set_phase(self, phase: str) -> None:
-        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward
-        (a module whose inputs need no grad never reports the end of its backward)."""
+        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward."""
+        self.end_backward()
+        self.phase = phase
+
+    def end_backward(self) -> None:
+        """Close backward scopes still open when autograd returns: a module whose inputs need
+        no grad never reports the end of its backward, which ends with autograd's."""
+        self.sync()
         now = time.perf_counter()
         for (ph, path), starts in self._entered.items():
             if ph == "backward" and starts:
                 self.latency[ph][path] += sum(now - t for t in starts)
         self._entered.clear()
         self._active.clear()
-        self.phase = phase
 
     # -- counting ------------------------------------------------------------------------------
     def _current_phase(self) -> str:
