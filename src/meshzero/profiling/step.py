@@ -78,13 +78,15 @@ def module_rows(root: nn.Module, counter: FlopCounter, held: dict[int, int]) -> 
     return list(reversed(rows.values()))
 
 
-def _gather_rank_numbers(values: dict[str, float], group) -> dict[str, list[float]]:
-    """min, max and sum of every value over the ranks of ``group`` (one all-gather)."""
-    local = torch.tensor(list(values.values()), dtype=torch.float64)
+def _gather_rank_numbers(values: dict[str, float], group,
+                         device: torch.device) -> dict[str, list[float]]:
+    """min, max and sum of every value over the ranks of ``group`` (one all-gather; on the
+    rank's device, since NCCL cannot gather CPU tensors)."""
+    local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     world = 1 if not dist.is_initialized() else dist.get_world_size(group)
     if world == 1:
         return {k: [v, v, v] for k, v in values.items()}
-    out = torch.empty(world * local.numel(), dtype=torch.float64)
+    out = torch.empty(world * local.numel(), dtype=torch.float64, device=device)
     _all_gather(out, local, group=group)
     table = out.view(world, -1)
     return {k: [table[:, i].min().item(), table[:, i].max().item(), table[:, i].sum().item()]
@@ -130,7 +132,7 @@ class StepProfiler:
             "comm_bytes": sum(v["bytes"] for v in comm.values()),
             "peak_memory_bytes": mem_peak,
         }
-        spread = _gather_rank_numbers(rank_values, None)
+        spread = _gather_rank_numbers(rank_values, None, e.device)
         samples_s = e.train_batch_size() / iter_s
         return ProfileReport(
             world_size=e.topology.world_size, data_parallel_size=e.topology.dp_size,
