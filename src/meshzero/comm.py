@@ -7,9 +7,10 @@ bandwidth), so they can be compared with the ZeRO paper's formulas:
 - reduce-scatter of an input of B bytes over N ranks:    B * (N-1) / N
 - all-reduce of B bytes over N ranks:                  2 B * (N-1) / N
 
-Seconds: ``seconds`` is issue-to-completion time of each op (on gloo the op runs on a
-background thread, so this overlaps compute); ``exposed_seconds`` is the time the caller
-spent blocked waiting for it, i.e. what was not hidden behind compute.
+Seconds: ``seconds`` is the wall time during which at least one op of the kind was in
+flight, from issue to completion (the union of those intervals; gloo gives no completion
+time, so there an op ends when its wait returns: an upper bound). ``exposed_seconds`` is
+the time the caller spent blocked waiting, i.e. what was not hidden behind compute.
 """
 
 from __future__ import annotations
@@ -30,8 +31,19 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class OpStats:
     count: int = 0
     bytes: int = 0
-    seconds: float = 0.0
     exposed_seconds: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)  # (issued, done)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time during which at least one of these ops was in flight (the union of
+        their intervals: prefetched ops that overlap each other are not counted twice)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.intervals):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
 
     def as_dict(self) -> dict[str, float | int]:
         return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds,
@@ -57,7 +69,7 @@ class CommStats:
             acc = out.setdefault(op, OpStats())
             acc.count += s.count
             acc.bytes += s.bytes
-            acc.seconds += s.seconds
+            acc.intervals += s.intervals
             acc.exposed_seconds += s.exposed_seconds
         return {op: s.as_dict() for op, s in sorted(out.items())}
 
@@ -87,7 +99,7 @@ class Handle:
             t1 = time.perf_counter()
             self._stats.exposed_seconds += t1 - t0
             done = self._done_at[0] if self._done_at else t1
-            self._stats.seconds += max(done, t0) - self._issued
+            self._stats.intervals.append((self._issued, done))
         self._buffers = None
 
 
