@@ -94,7 +94,7 @@ class FlopCounter:
     def start(self) -> None:
         for module in self.paths:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._mode = _CountingMode(self)
         self._mode.__enter__()
 

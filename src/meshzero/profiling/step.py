@@ -126,7 +126,7 @@ class StepProfiler:
         total_s = sum(v["seconds"] for v in comm.values())
         exposed_s = sum(v["exposed_seconds"] for v in comm.values())
         rank_values = {
-            "params_per_rank": sum(held.values()),
+            "params_per_rank": e.zero.held_numel(),
             "fwd_flops_per_rank": c.total("forward"), "bwd_flops_per_rank": c.total("backward"),
             "iter_latency_s": iter_s, "flops_per_second_per_rank": flops / iter_s,
             "comm_bytes": sum(v["bytes"] for v in comm.values()),

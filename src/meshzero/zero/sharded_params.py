@@ -77,6 +77,7 @@ class ParameterSharder:
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
         self.recording = True
+        self.in_backward = False
         self.fwd_pos = 0
         self.bwd_pos = 0
         self._handles = []
@@ -136,6 +137,9 @@ class ParameterSharder:
     # -- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: int):
         def pre_forward(module, args):
+            if self.in_backward:  # activation-checkpoint recompute: already gathered
+                self.wait_parameters(unit)
+                return
             if self.recording:
                 self.fwd_order.append(unit)
             self.wait_parameters(unit)
@@ -158,6 +162,8 @@ class ParameterSharder:
 
     def _make_post_forward(self, unit: int):
         def post_forward(module, args, output):
+            if self.in_backward:  # recompute inside this unit's backward: keep it gathered
+                return None
             if not self._reused_soon(unit):
                 self.release_parameters(unit)
             if torch.is_grad_enabled():
@@ -188,11 +194,13 @@ class ParameterSharder:
 
     def start_backward(self) -> None:
         self.bwd_pos = 0
+        self.in_backward = True
 
     def end_backward(self) -> None:
         """After a backward: release everything; the first step's orders are now recorded."""
         self.release_all()
         self.recording = False
+        self.in_backward = False
 
     def remove_hooks(self) -> None:
         for h in self._handles:
