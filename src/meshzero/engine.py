@@ -268,6 +268,39 @@ class Engine(nn.Module):
         """``{name: full fp32 CPU tensor}`` on every rank (a collective: call it on all)."""
         return self.zero.full_state_dict()
 
+    # -- checkpoints (see checkpoint.py) --
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: Any = None) -> str:
+        """Sharded checkpoint ``save_dir/tag`` (default ``global_step{N}``); collective.
+        ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
+        from meshzero import checkpoint
+
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
+        """Load a tag (default: ``latest``) saved at any world size and stage; collective.
+        Returns ``(path, client_state)``, or ``(None, None)`` if there is no ``latest``."""
+        from meshzero import checkpoint
+
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                          load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike,
+                         save_filename: str = "model.safetensors") -> str | None:
+        """The full model in the compute dtype as safetensors; collective, rank 0 writes."""
+        from meshzero import checkpoint
+
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Load safetensors weights (file, index or directory), each rank reading only its
+        fragments; collective. Pickle files are refused."""
+        from meshzero import checkpoint
+
+        checkpoint.load_weights(self, path)
+
 
 def initialize(
     args: Any = None,

@@ -124,14 +124,20 @@ class ParameterSharder:
                    if self.gathered[u] or u in self.pending)
 
     def _prefetch(self, order: list[int], pos: int) -> None:
-        """Gather the units after ``pos`` in ``order`` within the prefetch and live budgets."""
+        """Gather the units after ``pos`` in ``order`` within the prefetch and live budgets.
+        Units already gathered or in flight ahead count against the prefetch budget too, so
+        at most ``prefetch_numel`` elements are ever fetched ahead of use."""
         budget = self.prefetch_numel
         for u in order[pos + 1:]:
-            if self.gathered[u] or u in self.pending:
+            if u == order[pos]:
                 continue
-            if self.numel[u] > budget or self._live_numel() + self.numel[u] > self.max_live_numel:
+            if self.numel[u] > budget:
                 return
             budget -= self.numel[u]
+            if self.gathered[u] or u in self.pending:
+                continue
+            if self._live_numel() + self.numel[u] > self.max_live_numel:
+                return
             self.gather_parameters(u)
 
     # -- hooks ------------------------------------------------------------------------------
