@@ -98,7 +98,8 @@ class Handle:
             self._work.wait()
             t1 = time.perf_counter()
             self._stats.exposed_seconds += t1 - t0
-            done = self._done_at[0] if self._done_at else t1
+            # completed before the wait: the future's time; else it completed as the wait ended
+            done = self._done_at[0] if self._done_at and self._done_at[0] < t0 else t1
             self._stats.intervals.append((self._issued, done))
         self._buffers = None
 
