@@ -120,7 +120,7 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     (("zero_optimization", "zero_quantized_weights"), True, ("zero_quantized_weights", NOT_YET)),
     (("zero_optimization", "sub_group_size"), 1e9, ("zero_optimization.sub_group_size", NOT_YET)),
     (("zero_optimization", "mics_shard_size"), 8, ("zero_optimization.mics_shard_size", NOT_YET)),
-    (("tensorboard",), {"enabled": True}, ("'tensorboard'", NOT_YET)),
+    (("wandb",), {"enabled": True}, ("'wandb'", NOT_YET)),
     (("activation_checkpointing",), {}, ("'activation_checkpointing'", NOT_YET)),
     (("tensorboard",), {"enabled": False}, ("'tensorboard'", NOT_YET)),
     (("gradient_predivide_factor",), 1.0, ("'gradient_predivide_factor'", NOT_YET)),
