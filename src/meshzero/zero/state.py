@@ -160,7 +160,7 @@ class ZeroModelState:
             if id(t) in flat_of:
                 group, slot = flat_of[id(t)]
                 if id(group) not in cache:
-                    cache[id(group)] = self._full_fp32(group)
+                    cache[id(group)] = self.full_fp32(group)
                 flat = cache[id(group)]
                 out[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
             else:
@@ -168,7 +168,7 @@ class ZeroModelState:
                 out[name] = value.float() if value.is_floating_point() else value.clone()
         return out
 
-    def _full_fp32(self, group: FlatGroup) -> torch.Tensor:
+    def full_fp32(self, group: FlatGroup) -> torch.Tensor:
         """The whole flat buffer of ``group`` in fp32 on the CPU (collective at stages 1-3)."""
         with torch.no_grad():
             if group.trainable:

@@ -1,0 +1,318 @@
+"""What a checkpoint holds besides parameter values, captured from and restored into a live
+engine: optimizer state per fragment, optimizer hyperparameters, scheduler, RNG states, and
+the model's names (canonical parameters, tied aliases, buffers).
+
+Optimizer state is stored per fragment and keyed by parameter name and element range (see
+checkpoint_io), so it reshards like the parameters: a tensor shaped like the fragment is cut
+by element ("element" state: Adam's exp_avg, exp_avg_sq); a 0-dim tensor ("scalar" state:
+Adam's step) is stored once per fragment and read back from any piece that overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from meshzero.checkpoint_io import (
+    CheckpointReader,
+    TensorSpec,
+    check_json,
+    dtype_name,
+    piece_key,
+)
+from meshzero.log import warn_once
+
+if TYPE_CHECKING:
+    from meshzero.engine import Engine
+
+try:  # numpy's global RNG is saved when numpy is installed
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch wheels
+    np = None
+
+logger = logging.getLogger(__name__)
+
+Item = tuple[TensorSpec, torch.Tensor]
+
+
+@dataclass
+class ModelNames:
+    """Names of ``model.state_dict()``: canonical parameters (``Layout.slots`` keys), tied
+    aliases of them, and buffers, in state_dict order."""
+
+    aliases: dict[str, str]  # alias -> canonical parameter name
+    buffers: dict[str, torch.Tensor]
+    order: list[str]
+
+    def aliases_of(self, canonical: str) -> list[str]:
+        return [a for a, c in self.aliases.items() if c == canonical]
+
+
+def model_names(engine: Engine) -> ModelNames:
+    canonical = {id(p): name for name, p in engine.module.named_parameters()}
+    aliases, buffers, order = {}, {}, []
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        order.append(name)
+        if id(t) not in canonical:
+            buffers[name] = t
+        elif canonical[id(t)] != name:
+            aliases[name] = canonical[id(t)]
+    for name in order:
+        if "|" in name:
+            raise ValueError(f"state_dict name {name!r} contains '|', which checkpoint keys "
+                             "use as a separator")
+    return ModelNames(aliases, buffers, order)
+
+
+def qualname(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# -- optimizer -------------------------------------------------------------------------------
+def optimizer_metadata(engine: Engine) -> dict:
+    """Class and per-group hyperparameters (JSON-able ones; others are skipped with a warning)."""
+    groups = []
+    for i, group in enumerate(engine.optimizer.param_groups):
+        kept = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if _jsonable(value):
+                kept[key] = value
+            else:
+                warn_once(logger, f"optimizer param_groups[{i}][{key!r}] is not JSON-serialisable"
+                                  " and is not saved in checkpoints")
+        groups.append(kept)
+    return {"class": qualname(engine.optimizer), "param_groups": groups}
+
+
+def optimizer_items(engine: Engine, info: dict) -> list[Item]:
+    """This rank's optimizer state tensors as checkpoint items; group membership, state kinds
+    and non-tensor state go into ``info`` (merged over ranks into the manifest)."""
+    opt = engine.optimizer
+    group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+    kinds, members, extra = info["state_kinds"], info["param_group_of"], info["extra_state"]
+    items: list[Item] = []
+    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+        name = frag.slot.name
+        members[name] = group_of[id(leaf)]
+        for kind, value in opt.state.get(leaf, {}).items():
+            if not isinstance(value, torch.Tensor):
+                check_json(value, f"optimizer state {kind!r} of {name}")
+                extra.setdefault(name, {})[kind] = value
+                continue
+            if value.shape == leaf.shape:
+                kinds[kind] = "element"
+            elif value.dim() == 0:
+                kinds[kind] = "scalar"
+            else:
+                raise ValueError(f"optimizer state {kind!r} of {name} has shape "
+                                 f"{tuple(value.shape)}, neither the fragment's "
+                                 f"{tuple(leaf.shape)} nor a scalar: it cannot be resharded")
+            key = piece_key(name, frag.start, frag.end, f"optim.{kind}")
+            items.append((TensorSpec(key, value.dtype, tuple(value.shape)), value))
+    return items
+
+
+def check_optimizer(engine: Engine, saved: dict, rename: dict[str, str]) -> None:
+    """ValueError if the saved optimizer state cannot go into this engine's optimizer."""
+    opt = engine.optimizer
+    if saved["class"] != qualname(opt):
+        raise ValueError(f"the checkpoint's optimizer is {saved['class']}, this engine's is "
+                         f"{qualname(opt)}; pass load_optimizer_states=False to load only "
+                         "the model")
+    if len(saved["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param "
+                         f"groups, this engine's has {len(opt.param_groups)}")
+    group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+        want = saved["param_group_of"].get(rename[frag.slot.name])
+        if want is not None and want != group_of[id(leaf)]:
+            raise ValueError(f"parameter {frag.slot.name} is in param group "
+                             f"{group_of[id(leaf)]} but was saved in group {want}")
+
+
+def load_optimizer(engine: Engine, reader: CheckpointReader, saved: dict,
+                   rename: dict[str, str]) -> None:
+    """Hyperparameters per group, then the state of every fragment (read by element range)."""
+    opt = engine.optimizer
+    for group, hyper in zip(opt.param_groups, saved["param_groups"], strict=True):
+        for key, value in hyper.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    opt.state.clear()
+    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+        name = rename[frag.slot.name]
+        pg = group_of[id(leaf)]
+        # torch keeps Adam's step on the CPU unless the kernels are fused or capturable
+        scalar_device = leaf.device if pg.get("fused") or pg.get("capturable") else "cpu"
+        state: dict[str, Any] = {}
+        for kind, how in saved["state_kinds"].items():
+            key = f"optim.{kind}"
+            if not reader.has(name, key):
+                continue
+            if how == "element":
+                state[kind] = reader.read(name, key, frag.start, frag.end).to(leaf.device)
+            else:
+                state[kind] = reader.read_scalar(name, key, frag.start, frag.end).to(
+                    scalar_device)
+        state.update(saved["extra_state"].get(name, {}))
+        if state:
+            opt.state[leaf] = state
+
+
+def optimizer_files(engine: Engine, reader: CheckpointReader, saved: dict,
+                    rename: dict[str, str]) -> set[int]:
+    files = set()
+    for _, frag, _ in engine.zero.optim_state.fragment_index:
+        name = rename[frag.slot.name]
+        for kind in saved["state_kinds"]:
+            if reader.has(name, f"optim.{kind}"):
+                end = max(frag.end, frag.start + 1)
+                files |= {p.file for p in reader.locate(name, f"optim.{kind}", frag.start, end)}
+    return files
+
+
+# -- scheduler -------------------------------------------------------------------------------
+def scheduler_metadata(engine: Engine) -> dict | None:
+    sched = engine.lr_scheduler
+    if sched is None:
+        return None
+    state = sched.state_dict()
+    check_json(state, f"the state_dict of lr scheduler {qualname(sched)}")
+    return {"class": qualname(sched), "state": state}
+
+
+def check_scheduler(engine: Engine, saved: dict | None) -> None:
+    sched = engine.lr_scheduler
+    if sched is not None and saved is not None and saved["class"] != qualname(sched):
+        raise ValueError(f"the checkpoint's lr scheduler is {saved['class']}, this engine's is "
+                         f"{qualname(sched)}; pass load_lr_scheduler_states=False")
+
+
+def load_scheduler(engine: Engine, saved: dict | None, *, set_lr: bool) -> None:
+    """Restore the scheduler; ``set_lr`` also puts its last lr into the param groups (when
+    the optimizer's own hyperparameters were not loaded)."""
+    sched = engine.lr_scheduler
+    if sched is None or saved is None:
+        if (sched is None) != (saved is None):
+            warn_once(logger, "lr scheduler state not loaded: the checkpoint has "
+                              f"{'one' if saved else 'none'}, this engine has "
+                              f"{'one' if sched else 'none'}")
+        return
+    sched.load_state_dict(saved["state"])
+    if set_lr:
+        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr(), strict=False):
+            group["lr"] = lr
+
+
+# -- RNG -------------------------------------------------------------------------------------
+def rng_items(rank: int, info: dict) -> list[Item]:
+    """Torch RNG states as uint8 tensors; Python's and numpy's into ``info`` (JSON)."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    info["rng"] = {"python": [version, list(internal), gauss]}
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        info["rng"]["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return [(TensorSpec(f"rng|{rank}|{source}", torch.uint8, tuple(t.shape)), t)
+            for source, t in states.items()]
+
+
+def rng_files(reader: CheckpointReader, rank: int) -> set[int]:
+    key = f"rng|{rank}|torch_cpu"
+    return {reader.whole[key]} if key in reader.whole else set()
+
+
+def load_rng(reader: CheckpointReader, saved: dict, rank: int) -> None:
+    """This rank's RNG states, if the saving run had a rank with this index."""
+    if str(rank) not in saved:
+        warn_once(logger, f"the checkpoint has no RNG state for rank {rank} (saved with "
+                          f"{len(saved)} ranks); this rank keeps its current RNG state")
+        return
+    states = saved[str(rank)]
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if np is not None and "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(reader.read_whole(f"rng|{rank}|torch_cpu"))
+    cuda_key = f"rng|{rank}|torch_cuda"
+    if cuda_key in reader.whole and torch.cuda.is_available():
+        torch.cuda.set_rng_state(reader.read_whole(cuda_key))
+
+
+# -- names -----------------------------------------------------------------------------------
+def model_metadata(engine: Engine, names: ModelNames) -> dict:
+    """Parameter names, shapes and dtypes, aliases, buffers and the unit layout."""
+    params = {}
+    for group in engine.zero.groups:
+        for slot, p in zip(group.layout.slots, group.params, strict=True):
+            params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(p.dtype),
+                                 "requires_grad": group.trainable, "unit": slot.unit,
+                                 "group": slot.group}
+    buffers = {name: {"shape": list(b.shape), "dtype": dtype_name(_saved_dtype(b))}
+               for name, b in names.buffers.items()}
+    layout = engine.zero.layout
+    units = [{"path": u.path, "groups": [
+        {"requires_grad": g.requires_grad, "persistent": g.persistent, "numel": g.numel,
+         "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
+         "slots": [[s.name, s.offset, s.numel] for s in g.slots]} for g in u.groups]}
+        for u in layout.units]
+    return {"params": params, "aliases": names.aliases, "buffers": buffers,
+            "state_dict": names.order, "layout": {"num_shards": layout.num_shards,
+                                                  "units": units}}
+
+
+def _saved_dtype(t: torch.Tensor) -> torch.dtype:
+    """Floating buffers are saved in fp32 (exact for 16-bit ones), others as they are."""
+    return torch.float32 if t.is_floating_point() else t.dtype
+
+
+def buffer_items(names: ModelNames) -> list[Item]:
+    return [(TensorSpec(f"{name}|buffer", _saved_dtype(b), tuple(b.shape)), b)
+            for name, b in names.buffers.items()]
+
+
+def match_names(names: ModelNames, engine: Engine, manifest: dict, where: str) -> dict[str, str]:
+    """``{model canonical param: checkpoint canonical param}``; ValueError listing missing
+    and unexpected names and shape mismatches."""
+    saved_order = set(manifest["state_dict"])
+    missing = [n for n in names.order if n not in saved_order]
+    unexpected = [n for n in manifest["state_dict"] if n not in set(names.order)]
+    rename, mismatched = {}, []
+    for name, slot in engine.zero.layout.slots.items():
+        src = manifest["aliases"].get(name, name)
+        if src in manifest["params"]:
+            rename[name] = src
+            if tuple(manifest["params"][src]["shape"]) != slot.shape:
+                mismatched.append(f"{name}: checkpoint {tuple(manifest['params'][src]['shape'])}"
+                                  f", model {slot.shape}")
+    for name, buf in names.buffers.items():
+        info = manifest["buffers"].get(name)
+        if info is not None and tuple(info["shape"]) != tuple(buf.shape):
+            mismatched.append(f"{name}: checkpoint {tuple(info['shape'])}, model "
+                              f"{tuple(buf.shape)}")
+    if missing or unexpected or mismatched:
+        raise ValueError(f"checkpoint {where} does not match the model:\n"
+                         f"  missing (in the model, not in the checkpoint): {missing}\n"
+                         f"  unexpected (in the checkpoint, not in the model): {unexpected}\n"
+                         f"  shape mismatches: {mismatched}")
+    return rename

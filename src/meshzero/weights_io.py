@@ -1,0 +1,179 @@
+"""Whole-model weight files in the Hugging Face layout: ``model.safetensors``, or shards
+``model-00001-of-00003.safetensors`` with ``model.safetensors.index.json``::
+
+    {"metadata": {"total_size": <bytes of tensor data>}, "weight_map": {name: file}}
+
+Writing streams one tensor at a time; reading returns element ranges of flattened tensors,
+so a rank reads only the rows that hold its fragments. Only safetensors (and the JSON index)
+are accepted: anything else, pickles above all, is refused before it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from meshzero.checkpoint_io import TensorSpec, read_flat, write_json, write_safetensors
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_SUFFIX = ".index.json"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of ``"5GB"`` (10**9 per GB, as Hugging Face), ``"500MiB"``, ``"1024"`` or an int."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE.match(size)
+        unit = m[2].upper() if m else None
+        if unit is not None and unit not in _UNITS and unit + "B" in _UNITS:
+            unit += "B"  # "5G" means 5GB
+        if not m or unit not in _UNITS:
+            raise ValueError(f"size {size!r} is not a number of bytes like '5GB' or '500MiB'")
+        value = int(float(m[1]) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[list[TensorSpec]]:
+    """Cut ``specs`` in order into shards of at most ``max_shard_bytes`` (a larger tensor
+    gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if shards[-1] and max_shard_bytes is not None and used + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += spec.nbytes
+    return shards
+
+
+def write_model_files(
+    out_dir: str | os.PathLike,
+    specs: list[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_bytes: int | None = None,
+    filename: str = WEIGHTS_NAME,
+) -> list[Path]:
+    """Write ``tensors`` (yielded in the order of ``specs``) as one file or as shards plus an
+    index; returns the paths written. Memory: one tensor at a time."""
+    if not filename.endswith(".safetensors") or Path(filename).name != filename:
+        raise ValueError(f"filename {filename!r} must be a plain name ending in .safetensors")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(specs, max_shard_bytes)
+    stem = filename.removesuffix(".safetensors")
+    names = ([filename] if len(shards) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    stream = iter(tensors)
+    paths = []
+    for name, shard in zip(names, shards, strict=True):
+        take = (next(stream) for _ in shard)
+        write_safetensors(out_dir / name, shard, take, metadata={"format": "pt"})
+        paths.append(out_dir / name)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                 "weight_map": {s.name: n for n, shard in zip(names, shards, strict=True)
+                                for s in shard}}
+        paths.append(out_dir / (filename + INDEX_SUFFIX))
+        write_json(paths[-1], index, indent=2)
+    logger.info("wrote %d weight file(s) to %s", len(paths), out_dir)
+    return paths
+
+
+# -- reading ---------------------------------------------------------------------------------
+def _refuse(path: Path, why: str) -> ValueError:
+    return ValueError(f"refusing to load {path}: {why}. meshzero reads weights only from "
+                      ".safetensors files (or their .index.json) and never unpickles; convert "
+                      "pickled checkpoints (.bin/.pt/.pth/.ckpt) to safetensors first")
+
+
+def _check_safetensors(path: Path) -> None:
+    """Look at the first bytes only: an 8-byte header length that fits, then ``{``."""
+    if not path.is_file():
+        raise ValueError(f"weights file {path} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        raise _refuse(path, "it is too short to be a safetensors file")
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len + 8 > size or head[8:9] != b"{":
+        kind = "a pickle" if head[:1] == b"\x80" else (
+            "a zip archive (torch.save)" if head[:2] == b"PK" else "not safetensors")
+        raise _refuse(path, f"its content is {kind}")
+
+
+def resolve_weight_files(path: str | os.PathLike) -> dict[str, Path]:
+    """``{tensor name: safetensors file}`` for a file, an index or a directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+        for candidate in (WEIGHTS_NAME + INDEX_SUFFIX, WEIGHTS_NAME):
+            if (path / candidate).is_file():
+                return resolve_weight_files(path / candidate)
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        raise _refuse(path, f"the directory holds no {WEIGHTS_NAME} or {WEIGHTS_NAME}"
+                            f"{INDEX_SUFFIX}" + (f" (only {pickles})" if pickles else ""))
+    if path.name.endswith(".json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a safetensors index (JSON with a weight_map): "
+                             f"{exc}") from exc
+        files = {}
+        for name, file in weight_map.items():
+            if Path(file).name != file or not file.endswith(".safetensors"):
+                raise _refuse(path, f"its weight_map names {file!r}")
+            files[name] = path.parent / file
+        for file in set(files.values()):
+            _check_safetensors(file)
+        return files
+    if path.suffix != ".safetensors":
+        raise _refuse(path, f"{path.suffix or 'no suffix'} is not .safetensors")
+    _check_safetensors(path)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), path)
+
+
+class WeightsReader:
+    """Element ranges of the tensors of a model weight file (or index)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.files = resolve_weight_files(path)
+        self._handles: dict[Path, Any] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, file in self.files.items():
+            self.shapes[name] = tuple(self._handle(file).get_slice(name).get_shape())
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def names(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        return read_flat(self._handle(self.files[name]), name, self.shapes[name], start, end)
+
+    def read_whole(self, name: str) -> torch.Tensor:
+        return self._handle(self.files[name]).get_tensor(name)
