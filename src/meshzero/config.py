@@ -244,6 +244,35 @@ _ALWAYS_ON = {
 }
 
 
+OffloadDevice = Literal["none", "cpu", "nvme"]
+NvmePath = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class OffloadOptimizerConfig(_Model):
+    """`zero_optimization.offload_optimizer`: where the fp32 master, its gradient shard and
+    the optimizer states live (stages 1-3). With nvme, buffer_count tiles of sub_group_size
+    elements are in host memory at once."""
+
+    device: OffloadDevice = "none"
+    nvme_path: NvmePath | None = None
+    pin_memory: Bool = False
+    buffer_count: PosInt = 4
+    fast_init: Bool = False
+
+
+class OffloadParamConfig(_Model):
+    """`zero_optimization.offload_param` (stage 3): where parameter shards live at rest.
+    buffer_size and max_in_cpu are accepted for DeepSpeed configs; meshzero sizes its read
+    buffers by the units it reads ahead (buffer_count of them)."""
+
+    device: OffloadDevice = "none"
+    nvme_path: NvmePath | None = None
+    pin_memory: Bool = False
+    buffer_count: PosInt = 5
+    buffer_size: PosInt = 100_000_000
+    max_in_cpu: NonNegInt = 1_000_000_000
+
+
 class ZeroConfig(_Model):
     """`zero_optimization`; unit_classes (meshzero's own key) names the module classes whose
     instances become ZeRO units (gathered and released together)."""
@@ -260,6 +289,33 @@ class ZeroConfig(_Model):
     stage3_max_live_parameters: PosInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     unit_classes: list[Annotated[str, Strict(), Field(min_length=1)]] | None = None
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    sub_group_size: PosInt = 1_000_000_000
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> "ZeroConfig":
+        problems = []
+        opt, par = self.offload_optimizer.device, self.offload_param.device
+        if opt != "none" and self.stage == 0:
+            problems.append(f"zero_optimization.offload_optimizer.device = {opt!r} needs "
+                            "zero_optimization.stage 1, 2 or 3 (stage is 0)")
+        if par != "none" and self.stage != 3:
+            problems.append(f"zero_optimization.offload_param.device = {par!r} needs "
+                            f"zero_optimization.stage 3 (stage is {self.stage}): parameters "
+                            "are sharded, and so can be offloaded, only at stage 3")
+        if par == "nvme" and opt != "nvme":
+            problems.append("zero_optimization.offload_param.device = 'nvme' needs "
+                            f"zero_optimization.offload_optimizer.device = 'nvme' (it is "
+                            f"{opt!r}): the NVMe optimizer step writes the parameter files")
+        for key, section in (("offload_optimizer", self.offload_optimizer),
+                             ("offload_param", self.offload_param)):
+            if section.device == "nvme" and section.nvme_path is None:
+                problems.append(f"zero_optimization.{key}.device = 'nvme' needs "
+                                f"zero_optimization.{key}.nvme_path (a writable directory)")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     @field_validator(*_ALWAYS_ON)
     @classmethod

@@ -51,21 +51,22 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "sparse_gradients": "sparse gradients",
     "memory_breakdown": "use engine.memory_report()",
     "dataloader_drop_last": "DeepSpeed data loader",
-    "aio": "NVMe offload",
+    "aio": "DeepSpeed's async I/O tuning; meshzero's NVMe tier uses os.pread/pwrite threads",
     "eigenvalue": "eigenvalue computation",
     "progressive_layer_drop": "progressive layer drop",
     "hybrid_engine": "RLHF hybrid engine",
     "compile": "torch.compile integration",
-    "zero_optimization.offload_param": "parameter offload",
-    "zero_optimization.offload_optimizer": "optimizer offload",
-    "zero_optimization.cpu_offload": "CPU offload",
+    "zero_optimization.cpu_offload": "CPU offload (spell it offload_optimizer.device 'cpu')",
+    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload",
+    "zero_optimization.offload_optimizer.pipeline": "meshzero always overlaps NVMe I/O",
+    "zero_optimization.offload_optimizer.pipeline_read": "meshzero always overlaps NVMe I/O",
+    "zero_optimization.offload_optimizer.pipeline_write": "meshzero always overlaps NVMe I/O",
     "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ",
     "zero_optimization.mics_shard_size": "MiCS",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS",
-    "zero_optimization.sub_group_size": "optimizer sub-groups",
     "zero_optimization.round_robin_gradients": "round-robin gradients",
     "zero_optimization.elastic_checkpoint": "elastic checkpoints",
     "zero_optimization.load_from_fp32_weights": "checkpoint loading option",
@@ -143,6 +144,8 @@ def describe(error: ErrorDetails, raw: dict[str, Any], root: type[BaseModel]) ->
         return f"{key} is required but missing"
     if not loc:  # a check across several keys; its message names them
         return str(cause) if cause is not None else error["msg"]
+    if cause is not None and str(cause).startswith(key + "."):  # a cross-key check below key
+        return str(cause)
     if isinstance(cause, _Invalid):
         return f"{key} = {_show(error['input'])} {cause}"
     return f"{key} = {_show(error['input'])}: {cause if cause is not None else error['msg']}"

@@ -23,6 +23,7 @@ from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.schedulers import build_scheduler
 from meshzero.topology import Topology, build_topology, init_distributed
+from meshzero.zero.offload import HOST, OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,15 @@ class Engine(nn.Module):
             prefetch_numel=zc.stage3_prefetch_bucket_size,
             max_live_numel=zc.stage3_max_live_parameters,
             max_reuse_distance=zc.stage3_max_reuse_distance,
+            offload=OffloadOptions.from_config(zc),
         ))
         self._cast_buffers()
+        offloaded = self.zero.offload.optimizer != "none"
         self.optimizer = build_optimizer(
-            model=model, fragments=self.zero.optim_state.fragments, device=self.device,
+            model=model, fragments=self.zero.optim_state.fragments,
+            device=HOST if offloaded else self.device,
             optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+        self.zero.attach_optimizer(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.global_steps = 0
@@ -191,7 +196,11 @@ class Engine(nn.Module):
         t0 = time.perf_counter()
         if self._profiler is not None:
             self._profiler.counter.set_phase("backward")
-        self.zero.start_backward(self.is_gradient_accumulation_boundary())
+        step_scale = None
+        if (self.zero.offload.optimizer == "cpu" and self.config.gradient_clipping == 0
+                and not self.config.fp16.enabled):
+            step_scale = 1.0 / self.comm.size  # nothing global to wait for: step per unit
+        self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
         if self._profiler is not None:
@@ -210,8 +219,12 @@ class Engine(nn.Module):
             self._profiler.counter.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
+        if self.zero.finish_unit_steps():  # host tier: every unit was stepped in backward
+            state.sync_params(copy=False)
+            self._finish_step(overflow=False, t0=t0)
+            return
         sq_norm, overflow = state.reduce_grad_stats(
-            need_norm=clip > 0, need_overflow=self.config.fp16.enabled)
+            need_norm=clip > 0, need_overflow=self.config.fp16.enabled, nvme=self.zero.nvme)
         if overflow:
             self.skipped_steps += 1
             logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
@@ -222,12 +235,13 @@ class Engine(nn.Module):
             if clip > 0:
                 norm = math.sqrt(sq_norm) * inv
                 coef = min(1.0, clip / (norm + 1e-6))
-            state.scale_grads(inv * coef)
-            state.attach_grads()
-            self.optimizer.step()
+            self.zero.optimizer_step(inv * coef)
             state.sync_params()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+        self._finish_step(overflow, t0)
+
+    def _finish_step(self, overflow: bool, t0: float) -> None:
+        if not overflow and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.zero.zero_grads()
         self.global_steps += 1
@@ -266,7 +280,12 @@ class Engine(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``{name: full fp32 CPU tensor}`` on every rank (a collective: call it on all)."""
-        return self.zero.full_state_dict()
+        with self.zero.materialized():
+            return self.zero.full_state_dict()
+
+    def close(self) -> None:
+        """Stop offload threads and remove this rank's NVMe files (also done at exit)."""
+        self.zero.close()
 
     # -- checkpoints (see checkpoint.py) --
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
@@ -275,7 +294,8 @@ class Engine(nn.Module):
         ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
         from meshzero import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+        with self.zero.materialized():
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer_states: bool = True,
@@ -284,22 +304,25 @@ class Engine(nn.Module):
         Returns ``(path, client_state)``, or ``(None, None)`` if there is no ``latest``."""
         from meshzero import checkpoint
 
-        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                          load_lr_scheduler_states)
+        with self.zero.materialized(write_back=True):
+            return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                              load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir: str | os.PathLike,
                          save_filename: str = "model.safetensors") -> str | None:
         """The full model in the compute dtype as safetensors; collective, rank 0 writes."""
         from meshzero import checkpoint
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+        with self.zero.materialized():
+            return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load safetensors weights (file, index or directory), each rank reading only its
         fragments; collective. Pickle files are refused."""
         from meshzero import checkpoint
 
-        checkpoint.load_weights(self, path)
+        with self.zero.materialized(write_back=True):
+            checkpoint.load_weights(self, path)
 
 
 def initialize(

@@ -10,6 +10,10 @@ Buffers of a group with padded size P = N*S and owned range [lo, hi):
     grad_full (P,)      gradient accumulation buffer; persistent at stages 0-1, transient
                         (one micro-step) at stages 2-3.
 
+With optimizer offload (zero/offload.py) master and grad are host buffers (cpu) or live in
+NVMe files (nvme: master's storage is freed, grad is None and reduced gradients go to
+``grad_sink``); with parameter offload the stage-3 shard is a host buffer (cpu) or a file.
+
 The owned range is the whole buffer at stage 0 and rank r's shard at stages 1-3.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshzero.zero.offload import OffloadOptions, host_copy, host_zeros
 from meshzero.zero.units import GroupLayout
 
 
@@ -43,7 +48,10 @@ class FlatGroup:
         rank: int,
         compute_dtype: torch.dtype,
         device: torch.device,
+        offload: OffloadOptions | None = None,
     ):
+        offload = offload or OffloadOptions()
+        self.offload = offload
         self.layout = layout
         self.params = params
         self.stage = stage
@@ -58,7 +66,16 @@ class FlatGroup:
                 init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         self.full = init if compute_dtype == torch.float32 else init.to(compute_dtype)
         lo, hi = layout.shard_range(rank)
-        self.shard = self.full[lo:hi].clone() if self.sharded else self.full[lo:hi]
+        if not self.sharded:
+            self.shard = self.full[lo:hi]
+        elif offload.param != "none":
+            self.shard = host_copy(self.full[lo:hi], offload.pin_memory)
+        else:
+            self.shard = self.full[lo:hi].clone()
+        self.space_offset = 0  # where the owned range starts in the optimizer space
+        self.grad_sink = None  # NVMe: callable(group, reduced, accumulate)
+        self._master_copy = self.trainable and (compute_dtype != torch.float32
+                                                or offload.optimizer != "none")
 
         self.master: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
@@ -70,6 +87,11 @@ class FlatGroup:
                 self.grad = self.grad_full[self.owned[0]:self.owned[1]]
             else:
                 self.grad = torch.zeros(hi - lo, device=device)
+            if offload.optimizer == "cpu":
+                self.grad = host_zeros(self.owned[1] - self.owned[0], torch.float32,
+                                       offload.pin_memory)
+            elif offload.optimizer == "nvme":
+                self.grad = None
         del init
         self._bind_params()
         if self.sharded:
@@ -77,11 +99,13 @@ class FlatGroup:
 
     @property
     def master_is_copy(self) -> bool:
-        """Whether the fp32 master is its own buffer (mixed precision) or the params."""
-        return self.master is not None and self.master.dtype != self.full.dtype
+        """Whether the fp32 master is its own buffer (mixed precision, offload) or the params."""
+        return self._master_copy
 
     def _make_master(self, init: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         lo, hi = self.owned
+        if self.offload.optimizer != "none":
+            return host_copy(init[lo:hi], self.offload.pin_memory)
         if compute_dtype == torch.float32:  # the compute params are the master: no copy
             return self.shard if self.sharded else self.full[lo:hi]
         return init[lo:hi].clone()
@@ -111,6 +135,20 @@ class FlatGroup:
         slot = self.layout.slots[index]
         self.grad_target()[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
+    def take_reduced_grad(self, out: torch.Tensor, accumulate: bool) -> None:
+        """The reduced gradient of the owned range: into ``grad`` (wherever it lives), or to
+        the NVMe sink. ``accumulate`` adds to what earlier micro-steps left."""
+        if self.grad_sink is not None:
+            self.grad_sink(self, out, accumulate)
+            return
+        if out.data_ptr() == self.grad.data_ptr():  # reduce-scattered in place
+            return
+        src = out if out.device == self.grad.device else out.to(self.grad.device)
+        if accumulate:
+            self.grad.add_(src)
+        else:
+            self.grad.copy_(src)
+
     def drop_transient_grad(self) -> None:
         if self.stage >= 2:
             self.grad_full = None
@@ -124,8 +162,8 @@ class FlatGroup:
     # -- after the optimizer step -------------------------------------------------------------
     def copy_master_to_params(self) -> None:
         """Write the updated fp32 master into the compute-dtype parameters of the owned range."""
-        if self.master is None:
-            return
+        if self.master is None or self.master.untyped_storage().nbytes() == 0:
+            return  # no master, or the master is in an NVMe file (the store writes params)
         lo, hi = self.owned
         target = self.shard if self.sharded else self.full[lo:hi]
         if target.data_ptr() != self.master.data_ptr():

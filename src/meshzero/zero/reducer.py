@@ -34,6 +34,7 @@ class GradientReducer:
         comm_dtype: torch.dtype,
         bucket_numel: int,
         on_unit_ready: Callable[[int], None] | None = None,
+        on_unit_reduced: Callable[[int], None] | None = None,
     ):
         self.units = units
         self.comm = comm
@@ -41,6 +42,8 @@ class GradientReducer:
         self.comm_dtype = comm_dtype
         self.bucket_numel = bucket_numel
         self.on_unit_ready = on_unit_ready
+        self.on_unit_reduced = on_unit_reduced
+        self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
         self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
         self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
         self.inflight: deque[tuple[Handle, Callable[[], None], int]] = deque()
@@ -57,6 +60,7 @@ class GradientReducer:
 
     def _reset(self) -> None:
         self.remaining = list(self.num_trainable)
+        self.unreduced = list(self.num_groups)
         self.ready = [False] * len(self.units)
         self.next_pos = 0
 
@@ -112,25 +116,30 @@ class GradientReducer:
             while self.inflight and sum(n for *_, n in self.inflight) + numel > self.bucket_numel:
                 self._finish_oldest()
             with torch.no_grad():
-                handle, finish = self._reduce(group)
+                handle, finish = self._reduce(group, unit)
             self.inflight.append((handle, finish, numel))
 
-    def _reduce(self, group: FlatGroup) -> tuple[Handle, Callable[[], None]]:
+    def _reduced(self, unit: int) -> None:
+        self.unreduced[unit] -= 1
+        if self.unreduced[unit] == 0 and self.on_unit_reduced is not None:
+            self.on_unit_reduced(unit)
+
+    def _reduce(self, group: FlatGroup, unit: int) -> tuple[Handle, Callable[[], None]]:
         src = group.grad_target()
         send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
         if self.stage == 0:
             handle = self.comm.all_reduce(send)
             return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)
-        direct = self.stage >= 2 and self.grads_are_zero and send.dtype == group.grad.dtype
+        direct = (self.stage >= 2 and self.grads_are_zero and group.grad is not None
+                  and send.dtype == group.grad.dtype and send.device == group.grad.device)
         out = group.grad if direct else torch.empty_like(send[: group.layout.shard_numel])
         handle = self.comm.reduce_scatter(out, send)
+        accumulate = self.stage >= 2 and not self.grads_are_zero
 
         def finish() -> None:
-            if self.stage == 1:
-                group.grad.copy_(out)
-            elif not direct:
-                group.grad.add_(out)
+            group.take_reduced_grad(out, accumulate)
             group.drop_transient_grad()
+            self._reduced(unit)
 
         return handle, finish
 

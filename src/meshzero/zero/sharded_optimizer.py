@@ -16,6 +16,8 @@ from torch import nn
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
+from meshzero.zero.nvme import split_at_tiles
+from meshzero.zero.offload import placeholder
 from meshzero.zero.units import Fragment
 
 
@@ -23,7 +25,9 @@ class ShardedOptimizerState:
     """Master fragments of every trainable group and the step-time arithmetic on them."""
 
     def __init__(self, groups: list[FlatGroup], comm: Communicator, *, stage: int,
-                 allgather_bucket_numel: int):
+                 allgather_bucket_numel: int, nvme_tile_numel: int | None = None):
+        """``nvme_tile_numel``: the optimizer state is in NVMe files; fragments are cut where
+        tiles begin and the leaves hold no memory between steps (zero/nvme.py)."""
         self.groups = groups
         self.comm = comm
         self.stage = stage
@@ -33,22 +37,34 @@ class ShardedOptimizerState:
         # every fragment leaf with where it lives: (leaf, Fragment, its FlatGroup)
         self.fragment_index: list[tuple[nn.Parameter, Fragment, FlatGroup]] = []
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
         for group in groups:
             if not group.trainable:
                 continue
             lo, hi = group.owned
+            group.space_offset = self.space_numel
+            self.space_numel += hi - lo
             param_of = dict(zip(group.layout.slots, group.params, strict=True))
-            for frag in group.layout.fragments(lo, hi):
-                a, b = frag.local_offset, frag.local_offset + frag.numel
-                leaf = nn.Parameter(group.master[a:b], requires_grad=True)
-                grad_view = group.grad[a:b]
-                leaf.grad = grad_view
-                param = param_of[frag.slot]
-                self.fragments.setdefault(param, []).append(leaf)
-                self._grad_views.append((leaf, grad_view))
-                self.fragment_index.append((leaf, frag, group))
+            for whole in group.layout.fragments(lo, hi):
+                pieces = [whole] if nvme_tile_numel is None else split_at_tiles(
+                    whole, group.space_offset + whole.local_offset, nvme_tile_numel)
+                for frag in pieces:
+                    self._add_leaf(frag, group, param_of[frag.slot], nvme_tile_numel is None)
             for p in group.params:
                 self.fragments.setdefault(p, [])
+
+    def _add_leaf(self, frag: Fragment, group: FlatGroup, param: nn.Parameter,
+                  resident: bool) -> None:
+        a, b = frag.local_offset, frag.local_offset + frag.numel
+        if resident:
+            leaf = nn.Parameter(group.master[a:b], requires_grad=True)
+            grad_view = group.grad[a:b]
+            leaf.grad = grad_view
+            self._grad_views.append((leaf, grad_view))
+        else:
+            leaf = nn.Parameter(placeholder(frag.numel, torch.float32), requires_grad=True)
+        self.fragments.setdefault(param, []).append(leaf)
+        self.fragment_index.append((leaf, frag, group))
 
     def attach_grads(self) -> None:
         """Re-point every fragment's ``.grad`` at the flat gradient (a user's zero_grad may
@@ -59,7 +75,8 @@ class ShardedOptimizerState:
     def _trainable(self):
         return (g for g in self.groups if g.trainable)
 
-    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool) -> tuple[float, bool]:
+    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool,
+                          nvme=None) -> tuple[float, bool]:
         """Squared L2 norm of all gradients and whether any is inf/nan, over every rank.
 
         The owned ranges of all ranks partition the model at stages 1-3 (padding is zero), so
@@ -70,7 +87,10 @@ class ShardedOptimizerState:
             return 0.0, False
         device = self.comm_device()
         stats = torch.zeros(2, dtype=torch.float64, device=device)
-        for g in self._trainable():
+        if nvme is not None:  # the gradient shard is in a file: read it tile by tile
+            stats += torch.tensor(nvme.grad_stats(need_norm, need_overflow),
+                                  dtype=torch.float64, device=device)
+        for g in self._trainable() if nvme is None else ():
             if need_norm:
                 stats[0] += g.grad.double().pow(2).sum()
             if need_overflow:
@@ -91,11 +111,13 @@ class ShardedOptimizerState:
         for g in self._trainable():
             g.grad.mul_(factor)
 
-    def sync_params(self) -> None:
-        """Cast the updated master into the compute params, then all-gather resident buffers."""
+    def sync_params(self, copy: bool = True) -> None:
+        """Cast the updated master into the compute params (unless ``copy`` is False: done
+        already), then all-gather resident buffers."""
         inflight: deque[tuple[Handle, int]] = deque()
         for g in self.groups:
-            g.copy_master_to_params()
+            if copy:
+                g.copy_master_to_params()
             if not g.needs_param_all_gather:
                 continue
             numel = g.layout.padded_numel

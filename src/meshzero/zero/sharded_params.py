@@ -64,13 +64,19 @@ class ParameterSharder:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        shard_source=None,
     ):
+        """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
+        returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
+        reading it (None: the shard is ``group.shard``, on the device or in host memory)."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
+        self.shard_source = shard_source
+        self.device = next((g.full.device for gs in units for g in gs), torch.device("cpu"))
         self.numel = [sum(g.layout.padded_numel for g in gs) for gs in self.units]
         self.pending: dict[int, list[Handle]] = {}
         self.gathered = [False] * len(self.units)
@@ -96,8 +102,24 @@ class ParameterSharder:
         for g in self.units[unit]:
             alloc_storage(g.full)
             self.memory.add(g.full_nbytes)
-            handles.append(self.comm.all_gather(g.full, g.shard))
+            handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
+
+    def _shard_on_device(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's shard of ``g`` on the device (moved from host memory or a file)."""
+        shard = g.shard if self.shard_source is None else self.shard_source.read_shard(g)
+        if shard.device == self.device:
+            return shard
+        return shard.to(self.device, non_blocking=shard.is_pinned())
+
+    def _read_ahead(self, order: list[int], pos: int) -> None:
+        """NVMe parameters: start reading the shards of the next units of ``order``."""
+        if self.shard_source is None or self.recording:
+            return
+        for u in order[pos + 1:]:
+            for g in self.units[u]:
+                if not self.shard_source.prefetch_shard(g):
+                    return
 
     def wait_parameters(self, unit: int) -> None:
         self.gather_parameters(unit)
@@ -148,6 +170,7 @@ class ParameterSharder:
                 return
             if self.recording:
                 self.fwd_order.append(unit)
+            self._read_ahead(self.fwd_order, self.fwd_pos)
             self.wait_parameters(unit)
             if not self.recording:
                 self._prefetch(self.fwd_order, self.fwd_pos)
@@ -185,6 +208,7 @@ class ParameterSharder:
         def pre_backward(_grad) -> None:
             if self.recording:
                 self.bwd_order.append(unit)
+            self._read_ahead(self.bwd_order, self.bwd_pos)
             self.wait_parameters(unit)
             if not self.recording:
                 self._prefetch(self.bwd_order, self.bwd_pos)

@@ -10,13 +10,24 @@ Stages compose rather than copy each other (DESIGN.md section 3):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from meshzero.comm import Communicator
 from meshzero.zero.flat_buffer import FlatGroup
+from meshzero.zero.nvme import NvmeStore
+from meshzero.zero.offload import (
+    OffloadOptions,
+    UnitStepper,
+    check_nvme_path,
+    step_subset,
+    subsets_by_group,
+)
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 from meshzero.zero.sharded_params import GatheredMemory, ParameterSharder
@@ -38,10 +49,15 @@ class ZeroOptions:
     prefetch_numel: int
     max_live_numel: int
     max_reuse_distance: int
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 class ZeroModelState:
@@ -58,11 +74,14 @@ class ZeroModelState:
             unit_classes=options.unit_classes,
             persistence_threshold=options.persistence_threshold if stage == 3 else None,
         )
+        self.offload = offload = options.offload
+        if offload.optimizer == "nvme":
+            self._check_nvme_space()
         named = dict(model.named_parameters())
         self.units: list[list[FlatGroup]] = [
             [
                 FlatGroup(g, [named[s.name] for s in g.slots], stage=stage, rank=comm.rank,
-                          compute_dtype=options.compute_dtype, device=device)
+                          compute_dtype=options.compute_dtype, device=device, offload=offload)
                 for g in unit.groups
             ]
             for unit in self.layout.units
@@ -70,6 +89,16 @@ class ZeroModelState:
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
         self.memory = GatheredMemory(resident)
+        self.optim_state = ShardedOptimizerState(
+            self.groups, comm, stage=stage, allgather_bucket_numel=options.allgather_bucket_numel,
+            nvme_tile_numel=offload.sub_group_size if offload.optimizer == "nvme" else None)
+        self.nvme: NvmeStore | None = None
+        if offload.optimizer == "nvme":
+            self.nvme = NvmeStore(self.groups, self.optim_state.fragment_index, comm, offload,
+                                  options.compute_dtype, self.optim_state.space_numel)
+            for g in self.groups:
+                if g.trainable:
+                    g.grad_sink = self.nvme.take_grad
         self.sharder: ParameterSharder | None = None
         if stage == 3:
             self.sharder = ParameterSharder(
@@ -77,13 +106,98 @@ class ZeroModelState:
                 self.memory, prefetch_numel=options.prefetch_numel,
                 max_live_numel=options.max_live_numel,
                 max_reuse_distance=options.max_reuse_distance,
+                shard_source=self.nvme if offload.param == "nvme" else None,
             )
         self.reducer = GradientReducer(
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
             bucket_numel=options.reduce_bucket_numel, on_unit_ready=self._on_unit_ready,
+            on_unit_reduced=self._on_unit_reduced,
         )
-        self.optim_state = ShardedOptimizerState(
-            self.groups, comm, stage=stage, allgather_bucket_numel=options.allgather_bucket_numel)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.stepper = UnitStepper()
+        self._step_scale: float | None = None
+        self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
+
+    def _check_nvme_space(self) -> None:
+        """The NVMe paths exist, are writable directories and have room for this node's
+        ranks (upper bound: two generations of master, Adam's two states and the params, one
+        gradient shard)."""
+        itemsize = _itemsize(self.options.compute_dtype)
+        space = frozen = 0
+        for unit in self.layout.units:
+            for g in unit.groups:
+                if g.requires_grad:
+                    space += g.shard_numel
+                elif self.options.stage == 3 and not g.persistent:
+                    frozen += g.shard_numel
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        param_bytes = 2 * space * itemsize + (frozen * itemsize
+                                              if self.offload.param == "nvme" else 0)
+        optim_bytes = space * (2 * 4 + 4 + 2 * 8)
+        paths = {self.offload.optimizer_nvme_path: ("offload_optimizer", optim_bytes)}
+        if self.offload.param == "nvme" and \
+                self.offload.param_nvme_path != self.offload.optimizer_nvme_path:
+            paths[self.offload.param_nvme_path] = ("offload_param", param_bytes)
+        else:
+            paths[self.offload.optimizer_nvme_path] = ("offload_optimizer",
+                                                      optim_bytes + param_bytes)
+        for path, (key, nbytes) in paths.items():
+            check_nvme_path(f"zero_optimization.{key}.nvme_path", path, nbytes * local)
+
+    # -- the optimizer step (host and NVMe tiers) ------------------------------------------------
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        unit_of = {id(g): u for u, gs in enumerate(self.units) for g in gs}
+        leaves = defaultdict(list)
+        for leaf, _, g in self.optim_state.fragment_index:
+            leaves[unit_of[id(g)]].append(leaf)
+        self._unit_subsets = {u: subsets_by_group(optimizer, ls) for u, ls in leaves.items()}
+
+    def _on_unit_reduced(self, unit: int) -> None:
+        scale = self._step_scale
+        if scale is not None and unit in self._unit_subsets:
+            self.stepper.submit(lambda: self._step_unit(unit, scale))
+
+    def _step_unit(self, unit: int, scale: float) -> None:
+        """Host tier, on the worker thread: step one unit's fragments and copy the result
+        into its compute parameters while backward goes on."""
+        with torch.no_grad():
+            groups = [g for g in self.units[unit] if g.trainable]
+            if scale != 1.0:
+                for g in groups:
+                    g.grad.mul_(scale)
+            step_subset(self.optimizer, self._unit_subsets[unit])
+            for g in groups:
+                g.copy_master_to_params()
+
+    def finish_unit_steps(self) -> bool:
+        """Wait for the unit steps of the last backward; True if it stepped everything."""
+        stepped = self._step_scale is not None
+        self._step_scale = None
+        self.stepper.wait()
+        return stepped
+
+    def optimizer_step(self, scale: float) -> None:
+        """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
+        if self.nvme is not None:
+            self.nvme.step(self.optimizer, scale)
+            return
+        self.optim_state.scale_grads(scale)
+        self.optim_state.attach_grads()
+        self.optimizer.step()
+
+    def materialized(self, write_back: bool = False):
+        """A context in which every master, optimizer state and shard is in memory (the NVMe
+        tier reads them in; ``write_back`` writes changes back)."""
+        if self.nvme is None:
+            return nullcontext()
+        return self.nvme.materialized(self.optimizer, self.optim_state.fragment_index,
+                                      write_back)
+
+    def close(self) -> None:
+        self.stepper.close()
+        if self.nvme is not None:
+            self.nvme.close()
 
     def _on_unit_ready(self, unit: int) -> None:
         """All grads of ``unit`` are in: at stage 3 its full params can go (unless frozen
@@ -96,7 +210,10 @@ class ZeroModelState:
         if self.sharder is not None:
             self.sharder.start_forward()
 
-    def start_backward(self, boundary: bool) -> None:
+    def start_backward(self, boundary: bool, step_scale: float | None = None) -> None:
+        """``step_scale``: on the boundary, step each unit (host tier) as soon as its
+        gradient is reduced, with the gradient times ``step_scale``."""
+        self._step_scale = step_scale if boundary else None
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
             self.sharder.start_backward()
@@ -125,27 +242,32 @@ class ZeroModelState:
                 held[id(p)] = max(0, min(hi, slot.offset + slot.numel) - max(lo, slot.offset))
         return held
 
-    def _tier(self, t: torch.Tensor) -> str:
-        return "device" if t.device == self.device else "host"
-
     def memory_report(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Bytes this rank holds at rest, by category and tier, from the buffers it owns."""
+        """Bytes this rank holds at rest, by category and the tier each buffer lives in
+        (placed by the offload config: the host tier is a separate copy even on a CPU-only
+        machine), plus the NVMe tier's host tile buffers under ``offload_buffers``."""
         report: dict = {c: dict.fromkeys(TIERS, 0) for c in CATEGORIES}
-
-        def add(category: str, t: torch.Tensor | None) -> None:
-            if t is not None:
-                report[category][self._tier(t)] += _nbytes(t)
-
+        opt_tier, param_tier = self.offload.optimizer_tier, self.offload.param_tier
         for g in self.groups:
-            add("params", g.shard if g.sharded else g.full)
-            if g.trainable and g.master_is_copy:
-                add("master_params", g.master)
-            if g.trainable:
-                add("grads", g.grad_full if g.stage <= 1 else g.grad)
+            if g.sharded:
+                report["params"][param_tier] += _nbytes(g.shard)
+            else:
+                report["params"]["device"] += _nbytes(g.full)
+            if not g.trainable:
+                continue
+            owned = (g.owned[1] - g.owned[0]) * 4
+            if g.master_is_copy:
+                report["master_params"][opt_tier] += owned
+            if g.stage <= 1:
+                report["grads"]["device"] += _nbytes(g.grad_full)
+            if g.stage >= 2 or opt_tier != "device":
+                report["grads"][opt_tier] += owned
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    add("optimizer_states", value)
+                    report["optimizer_states"][opt_tier] += _nbytes(value)
+        report["offload_buffers"] = {"device": 0, "host": 0 if self.nvme is None else
+                                     self.nvme.buffer_nbytes, "nvme": 0}
         report["gathered_params_peak"] = self.memory.peak
         return report
 

@@ -1,0 +1,523 @@
+"""The NVMe tier: master, gradient shard, optimizer states and (stage 3) parameter shards of
+this rank in files, with only ``buffer_count`` tiles in host memory at once.
+
+This rank's *optimizer space* is the concatenation of the owned ranges of its trainable
+groups (``group.space_offset`` places each); tiles cut it into ``sub_group_size`` pieces,
+and optimizer leaves never straddle a tile. Files in one directory per rank (removed when
+the engine goes away):
+
+    master.{0,1}       fp32 master, two generations
+    {kind}.{0,1}       every optimizer state tensor, e.g. exp_avg: leaf-shaped kinds by
+                       space offset, scalar kinds (Adam's step) by leaf index
+    params.{0,1}       the updated parameters in the compute dtype, by space offset
+    grad               fp32 gradient shard, written as each unit is reduced
+    frozen             compute-dtype shards of frozen sharded groups (offload_param nvme)
+
+A step reads tile k+1 on a reader thread while tile k is stepped and tile k-1 is written on
+a writer thread (``os.preadv``/``os.pwrite`` release the GIL). It writes the *other*
+generation; only when every rank has written all its tiles does the generation flip, so an
+I/O error leaves every shard on every rank at the previous step (the error names the file
+and the parameters of the tile).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import tempfile
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshzero.comm import Communicator
+from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+from meshzero.zero.offload import HOST, OffloadOptions, placeholder, step_subset, subsets_by_group
+from meshzero.zero.units import Fragment
+
+
+class NvmeIOError(RuntimeError):
+    """An NVMe offload file is missing, truncated or cannot be written."""
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a writable buffer (no copy)."""
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+class NvmeFile:
+    """One file, opened per access so a file removed under us is noticed."""
+
+    def __init__(self, path: str, itemsize: int):
+        self.path = path
+        self.itemsize = itemsize
+
+    def _open(self, flags: int, what: str) -> int:
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise NvmeIOError(f"NVMe offload file {self.path} is missing ({what})") from None
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be opened: "
+                              f"{exc.strerror} ({what})") from None
+
+    def write(self, index: int, t: torch.Tensor, what: str) -> None:
+        fd = self._open(os.O_WRONLY | os.O_CREAT, what)
+        try:
+            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be written: "
+                              f"{exc.strerror} ({what})") from None
+        finally:
+            os.close(fd)
+
+    def read(self, index: int, t: torch.Tensor, what: str) -> None:
+        fd = self._open(os.O_RDONLY, what)
+        try:
+            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
+            want = len(view)
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n == 0:
+                    raise NvmeIOError(
+                        f"NVMe offload file {self.path} is truncated: wanted {want} bytes at "
+                        f"offset {index * self.itemsize}, got {want - len(view)} ({what})")
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be read: "
+                              f"{exc.strerror} ({what})") from None
+        finally:
+            os.close(fd)
+
+
+@dataclass
+class Tile:
+    index: int
+    start: int  # in the optimizer space
+    end: int
+    first_leaf: int  # leaves of a tile have consecutive indices
+    leaves: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (leaf, a, b)
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def describe(self) -> str:
+        names = sorted(set(self.names))
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"optimizer tile {self.index}, parameters {shown}"
+
+
+class TileBuffers:
+    """Host buffers for one tile: master, grad, compute-dtype params and state kinds."""
+
+    def __init__(self, numel: int, leaves: int, compute_dtype: torch.dtype, pin: bool):
+        self.numel, self.leaves, self.pin = numel, leaves, pin
+        self.master = torch.empty(numel, pin_memory=pin)
+        self.grad = torch.empty(numel, pin_memory=pin)
+        self.params = torch.empty(numel, dtype=compute_dtype, pin_memory=pin)
+        self.kinds: dict[str, torch.Tensor] = {}
+
+    def kind(self, name: str, dtype: torch.dtype, scalar: bool) -> torch.Tensor:
+        if name not in self.kinds:
+            self.kinds[name] = torch.empty(self.leaves if scalar else self.numel, dtype=dtype,
+                                           pin_memory=self.pin)
+        return self.kinds[name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.master, self.grad, self.params, *self.kinds.values()))
+
+
+def split_at_tiles(frag: Fragment, position: int, tile_numel: int) -> list[Fragment]:
+    """``frag`` (at ``position`` in the optimizer space) cut where tiles begin."""
+    pieces, a = [], 0
+    while a < frag.numel:
+        pos = position + a
+        b = min(frag.numel, a + tile_numel - pos % tile_numel)
+        pieces.append(Fragment(frag.slot, frag.start + a, frag.start + b, frag.local_offset + a))
+        a = b
+    return pieces
+
+
+class NvmeStore:
+    """Files, tiles and the tiled optimizer step of one rank."""
+
+    def __init__(self, groups: list[FlatGroup], index: list, comm: Communicator,
+                 options: OffloadOptions, compute_dtype: torch.dtype, space_numel: int):
+        self.groups = groups
+        self.comm = comm
+        self.options = options
+        self.compute_dtype = compute_dtype
+        self.space_numel = space_numel
+        self.tile_numel = min(options.sub_group_size, max(space_numel, 1))
+        self.gen = 0
+        self.stepped = False
+        self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
+        self.leaves = [leaf for leaf, _, _ in index]
+        self.leaf_index = {id(leaf): i for i, leaf in enumerate(self.leaves)}
+        self.tiles = self._tiles(index)
+        self.dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-",
+                                    dir=options.optimizer_nvme_path)
+        self.param_dir = self.dir
+        if options.param == "nvme" and options.param_nvme_path != options.optimizer_nvme_path:
+            self.param_dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-params-",
+                                              dir=options.param_nvme_path)
+        self._cleanup = weakref.finalize(self, _remove, [self.dir, self.param_dir])
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-write")
+        self._pool: list[TileBuffers] = []
+        self._grad_writes: deque[Future] = deque()
+        self._shard_reads: dict[int, Future] = {}
+        self._leaf_ph = {id(leaf): leaf.data for leaf in self.leaves}
+        self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
+        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
+        self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
+                                    torch.empty(0, dtype=compute_dtype).element_size())
+        self._write_initial_state()
+
+    # -- layout ----------------------------------------------------------------------------
+    def _tiles(self, index: list) -> list[Tile]:
+        tiles: list[Tile] = []
+        for i, (leaf, frag, group) in enumerate(index):
+            pos = group.space_offset + frag.local_offset
+            t = pos // self.tile_numel
+            while len(tiles) <= t:
+                k = len(tiles)
+                tiles.append(Tile(k, k * self.tile_numel,
+                                  min((k + 1) * self.tile_numel, self.space_numel), i))
+            a = pos - tiles[t].start
+            tiles[t].leaves.append((leaf, a, a + frag.numel))
+            tiles[t].names.append(frag.slot.name)
+        return [t for t in tiles if t.leaves]
+
+    def file(self, kind: str, gen: int) -> NvmeFile:
+        dtype, _ = self.kinds.get(kind, (torch.float32, False))
+        if kind == "params":
+            dtype = self.compute_dtype
+        directory = self.param_dir if kind == "params" else self.dir
+        return NvmeFile(os.path.join(directory, f"{kind}.{gen}"),
+                        torch.empty(0, dtype=dtype).element_size())
+
+    def _write_initial_state(self) -> None:
+        """Master and compute params of every trainable group to generation 0; the host
+        copies are then freed (stage 3 shards too, with offload_param nvme)."""
+        nbytes = self.space_numel * 4
+        for kind in ("master", "params"):
+            f = self.file(kind, 0)
+            self._preallocate(f.path, self.space_numel * f.itemsize)
+        self._preallocate(self.grad_file.path, nbytes)
+        frozen_at = 0
+        for g in self.groups:
+            if g.trainable:
+                self.file("master", 0).write(g.space_offset, g.master, "initial master")
+                lo, hi = g.owned
+                src = g.shard if g.sharded else g.full[lo:hi]
+                self.file("params", 0).write(g.space_offset, src.contiguous().cpu(),
+                                             "initial params")
+                free_storage(g.master)
+            elif g.sharded and self.options.param == "nvme":
+                g.frozen_offset = frozen_at
+                self.frozen_file.write(frozen_at, g.shard.cpu(), "initial frozen params")
+                frozen_at += g.layout.shard_numel
+            if g.sharded and self.options.param == "nvme":
+                free_storage(g.shard)
+
+    @staticmethod
+    def _preallocate(path: str, nbytes: int) -> None:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+
+    # -- gradients (main thread, as units are reduced) --------------------------------------
+    def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
+        host = out.detach().to(HOST, torch.float32)
+        what = f"gradient of {group.layout.slots[0].name} and its group"
+        if accumulate:
+            self.flush_grads()
+            prev = torch.empty_like(host)
+            self.grad_file.read(group.space_offset, prev, what)
+            host = host + prev
+        self._grad_writes.append(self._writer.submit(self.grad_file.write, group.space_offset,
+                                                     host, what))
+        while len(self._grad_writes) > self.options.buffer_count:
+            self._grad_writes.popleft().result()
+
+    def flush_grads(self) -> None:
+        while self._grad_writes:
+            self._grad_writes.popleft().result()
+
+    def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float]:
+        """Local squared norm and count of non-finite gradient elements, read tile by tile."""
+        self.flush_grads()
+        sq, bad = 0.0, 0.0
+        buf = torch.empty(self.tile_numel)
+        for tile in self.tiles:
+            g = buf[:tile.numel]
+            self.grad_file.read(tile.start, g, tile.describe())
+            if need_norm:
+                sq += g.double().pow(2).sum().item()
+            if need_overflow:
+                bad += (~torch.isfinite(g)).sum().item()
+        return sq, bad
+
+    # -- the tiled step -----------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
+        """One optimizer step over every tile, committed on all ranks or on none."""
+        self.flush_grads()
+        self.drop_shard_reads()
+        new = 1 - self.gen
+        snapshot = {id(p): dict(s) for p, s in optimizer.state.items()}
+        error: Exception | None = None
+        try:
+            self._step_tiles(optimizer, scale, new)
+        except NvmeIOError as exc:
+            error = exc
+        failed = torch.tensor([0.0 if error is None else 1.0])
+        if self.comm.size > 1:
+            self.comm.all_reduce(failed).wait()
+        if failed.item() > 0:
+            self._restore(optimizer, snapshot)
+            if error is not None:
+                raise NvmeIOError(f"{error}; the optimizer step was not applied on any rank")
+            raise NvmeIOError("NVMe offload I/O failed on another rank; the optimizer step "
+                              "was not applied on any rank")
+        self.gen = new
+        self.stepped = True
+        self.refresh_params()
+
+    def _restore(self, optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
+        for leaf in self.leaves:
+            saved = snapshot.get(id(leaf))
+            if saved is None:
+                optimizer.state.pop(leaf, None)
+            else:
+                optimizer.state[leaf] = saved
+            leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
+
+    def _buffers(self) -> list[TileBuffers]:
+        if not self._pool:
+            most = max(len(t.leaves) for t in self.tiles) if self.tiles else 0
+            count = min(self.options.buffer_count, max(len(self.tiles), 1))
+            self._pool = [TileBuffers(self.tile_numel, most, self.compute_dtype,
+                                      self.options.pin_memory) for _ in range(count)]
+        return self._pool
+
+    def _step_tiles(self, optimizer: torch.optim.Optimizer, scale: float, new: int) -> None:
+        free = deque(self._buffers())
+        tiles = iter(self.tiles)
+        reads: deque[tuple[Tile, TileBuffers, Future]] = deque()
+        writes: deque[tuple[TileBuffers, Future]] = deque()
+
+        def issue_reads() -> None:
+            while free:
+                tile = next(tiles, None)
+                if tile is None:
+                    return
+                buf = free.popleft()
+                reads.append((tile, buf, self._reader.submit(self._read_tile, tile, buf)))
+
+        try:
+            issue_reads()
+            while reads:
+                tile, buf, fut = reads.popleft()
+                fut.result()
+                self._step_tile(optimizer, tile, buf, scale)
+                writes.append((buf, self._writer.submit(self._write_tile, tile, buf, new)))
+                while writes and (writes[0][1].done() or not free):
+                    done, fut = writes.popleft()
+                    fut.result()
+                    free.append(done)
+                issue_reads()
+            while writes:
+                writes.popleft()[1].result()
+        finally:  # never leave a thread working on a buffer after an error
+            for *_, fut in list(reads) + list(writes):
+                fut.exception()
+
+    def _read_tile(self, tile: Tile, buf: TileBuffers) -> None:
+        n, what = tile.numel, tile.describe()
+        self.file("master", self.gen).read(tile.start, buf.master[:n], what)
+        self.grad_file.read(tile.start, buf.grad[:n], what)
+        if not self.stepped:
+            return
+        for kind, (dtype, scalar) in self.kinds.items():
+            target = buf.kind(kind, dtype, scalar)
+            if scalar:
+                self.file(kind, self.gen).read(tile.first_leaf, target[:len(tile.leaves)], what)
+            else:
+                self.file(kind, self.gen).read(tile.start, target[:n], what)
+
+    def _write_tile(self, tile: Tile, buf: TileBuffers, gen: int) -> None:
+        n, what = tile.numel, tile.describe()
+        self.file("master", gen).write(tile.start, buf.master[:n], what)
+        self.file("params", gen).write(tile.start, buf.params[:n], what)
+        for kind, (_, scalar) in self.kinds.items():
+            if scalar:
+                self.file(kind, gen).write(tile.first_leaf, buf.kinds[kind][:len(tile.leaves)],
+                                           what)
+            else:
+                self.file(kind, gen).write(tile.start, buf.kinds[kind][:n], what)
+
+    def _step_tile(self, optimizer: torch.optim.Optimizer, tile: Tile, buf: TileBuffers,
+                   scale: float) -> None:
+        n = tile.numel
+        if scale != 1.0:
+            buf.grad[:n].mul_(scale)
+        for i, (leaf, a, b) in enumerate(tile.leaves):
+            leaf.data, leaf.grad = buf.master[a:b], buf.grad[a:b]
+            if self.stepped:
+                state = optimizer.state[leaf]
+                for kind, (dtype, scalar) in self.kinds.items():
+                    t = buf.kind(kind, dtype, scalar)
+                    state[kind] = t[i] if scalar else t[a:b]
+        step_subset(optimizer, subsets_by_group(optimizer, [leaf for leaf, _, _ in tile.leaves]))
+        for i, (leaf, a, b) in enumerate(tile.leaves):
+            state = optimizer.state[leaf]
+            for kind, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                scalar = value.dim() == 0
+                self.kinds.setdefault(kind, (value.dtype, scalar))
+                t = buf.kind(kind, value.dtype, scalar)
+                view = t[i] if scalar else t[a:b]
+                if view.data_ptr() != value.data_ptr():  # state created by this first step
+                    view.copy_(value)
+                state[kind] = self._state_placeholder(leaf, kind, value)
+            leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
+        buf.params[:n].copy_(buf.master[:n])
+
+    def _state_placeholder(self, leaf: nn.Parameter, kind: str, value: torch.Tensor):
+        key = (id(leaf), kind)
+        if key not in self._state_ph:
+            self._state_ph[key] = placeholder(value.numel(), value.dtype, tuple(value.shape))
+        return self._state_ph[key]
+
+    # -- compute parameters ------------------------------------------------------------------
+    def refresh_params(self) -> None:
+        """After a commit: the updated compute params into the device (or host) buffers;
+        with offload_param nvme the sharded groups are read at their next all-gather."""
+        for g in self.groups:
+            if not g.trainable or (g.sharded and self.options.param == "nvme"):
+                continue
+            lo, hi = g.owned
+            host = torch.empty(hi - lo, dtype=self.compute_dtype)
+            self.file("params", self.gen).read(g.space_offset, host,
+                                               f"parameters of {g.layout.slots[0].name}")
+            (g.shard if g.sharded else g.full[lo:hi]).copy_(host)
+
+    def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
+        host = torch.empty(g.layout.shard_numel, dtype=self.compute_dtype,
+                           pin_memory=self.options.pin_memory)
+        what = f"parameter shard of {g.layout.slots[0].name}"
+        if g.trainable:
+            self.file("params", self.gen).read(g.space_offset, host, what)
+        else:
+            self.frozen_file.read(g.frozen_offset, host, what)
+        return host
+
+    def prefetch_shard(self, g: FlatGroup) -> bool:
+        """Start reading ``g``'s shard; False when ``param_buffer_count`` reads are out."""
+        if id(g) in self._shard_reads:
+            return True
+        if len(self._shard_reads) >= self.options.param_buffer_count:
+            return False
+        self._shard_reads[id(g)] = self._reader.submit(self._read_shard_now, g)
+        return True
+
+    def drop_shard_reads(self) -> None:
+        """Forget reads ahead (a step is about to change the shards)."""
+        reads, self._shard_reads = self._shard_reads, {}
+        for fut in reads.values():
+            fut.exception()
+
+    def read_shard(self, g: FlatGroup) -> torch.Tensor:
+        fut = self._shard_reads.pop(id(g), None)
+        return fut.result() if fut is not None else self._read_shard_now(g)
+
+    # -- everything in memory at once (checkpoints, full_state_dict) -------------------------
+    @contextmanager
+    def materialized(self, optimizer: torch.optim.Optimizer, index: list,
+                     write_back: bool) -> Iterator[None]:
+        """Read every master, state tensor and (param nvme) shard into memory; with
+        ``write_back`` write them to the current generation afterwards."""
+        self.flush_grads()
+        for g in self.groups:
+            if g.trainable:
+                alloc_storage(g.master)
+                self.file("master", self.gen).read(g.space_offset, g.master, "master")
+            if g.sharded and self.options.param == "nvme":
+                alloc_storage(g.shard)
+                g.shard.copy_(self._read_shard_now(g))
+        for i, (leaf, frag, g) in enumerate(index):
+            leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
+            if self.stepped:
+                state = optimizer.state[leaf]
+                for kind, (dtype, scalar) in self.kinds.items():
+                    t = torch.empty((), dtype=dtype) if scalar else torch.empty_like(leaf.data)
+                    pos = i if scalar else g.space_offset + frag.local_offset
+                    self.file(kind, self.gen).read(pos, t.reshape(-1), kind)
+                    state[kind] = t
+        try:
+            yield
+            if write_back:
+                self._write_back(optimizer, index)
+        finally:
+            self._release(optimizer, index)
+
+    def _write_back(self, optimizer: torch.optim.Optimizer, index: list) -> None:
+        for g in self.groups:
+            if g.trainable:
+                self.file("master", self.gen).write(g.space_offset, g.master, "master")
+                lo, hi = g.owned
+                src = g.shard if g.sharded else g.full[lo:hi]
+                self.file("params", self.gen).write(g.space_offset, src.contiguous().cpu(),
+                                                    "params")
+            elif g.sharded and self.options.param == "nvme":
+                self.frozen_file.write(g.frozen_offset, g.shard.cpu(), "frozen params")
+        for i, (leaf, frag, g) in enumerate(index):
+            for kind, value in optimizer.state.get(leaf, {}).items():
+                if isinstance(value, torch.Tensor):
+                    scalar = value.dim() == 0
+                    self.kinds.setdefault(kind, (value.dtype, scalar))
+                    pos = i if scalar else g.space_offset + frag.local_offset
+                    self.file(kind, self.gen).write(pos, value.detach().reshape(-1).cpu(), kind)
+                    self.stepped = True
+
+    def _release(self, optimizer: torch.optim.Optimizer, index: list) -> None:
+        for leaf, _, _ in index:
+            state = optimizer.state.get(leaf, {})
+            for kind, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and kind in self.kinds:
+                    state[kind] = self._state_placeholder(leaf, kind, value)
+            leaf.data = self._leaf_ph[id(leaf)]
+        for g in self.groups:
+            if g.trainable:
+                free_storage(g.master)
+            if g.sharded and self.options.param == "nvme":
+                free_storage(g.shard)
+
+    # -- accounting ----------------------------------------------------------------------------
+    @property
+    def buffer_nbytes(self) -> int:
+        return sum(b.nbytes for b in self._pool)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self._cleanup()
+
+
+def _remove(paths: list[str]) -> None:
+    for path in dict.fromkeys(paths):
+        shutil.rmtree(path, ignore_errors=True)
