@@ -140,34 +140,61 @@ class TileBuffers:
                    for t in (self.master, self.grad, self.params, *self.kinds.values()))
 
 
-def split_at_tiles(frag: Fragment, position: int, tile_numel: int) -> list[Fragment]:
-    """``frag`` (at ``position`` in the optimizer space) cut where tiles begin."""
-    pieces, a = [], 0
-    while a < frag.numel:
-        pos = position + a
-        b = min(frag.numel, a + tile_numel - pos % tile_numel)
-        pieces.append(Fragment(frag.slot, frag.start + a, frag.start + b, frag.local_offset + a))
-        a = b
-    return pieces
+CUT = 64  # fragments are cut at multiples of this from their start (see TilePlanner)
+
+
+class TilePlanner:
+    """Packs fragments, in optimizer-space order, into tiles of at most ``tile_numel``.
+
+    A fragment that does not fit is cut at a multiple of CUT elements from its own start,
+    so the vectorised optimizer kernels see the same element-to-lane mapping and tail as for
+    the whole fragment: the update is bit-identical to the step without tiles.
+    """
+
+    def __init__(self, tile_numel: int):
+        self.tile_numel = tile_numel
+        self.bounds: list[list[int]] = []  # [start, end) of each tile in the space
+
+    def add(self, frag: Fragment, position: int) -> list[tuple[Fragment, int]]:
+        """``frag`` at ``position``: its pieces with the tile each lands in."""
+        out, a = [], 0
+        while a < frag.numel:
+            pos = position + a
+            if not self.bounds or pos - self.bounds[-1][0] >= self.tile_numel:
+                self.bounds.append([pos, pos])
+            room = self.bounds[-1][0] + self.tile_numel - pos
+            take = frag.numel - a
+            if take > room:
+                take = room // CUT * CUT if room >= CUT else 0
+                if take == 0:  # too little room to cut well: start the next tile
+                    self.bounds.append([pos, pos])
+                    take = min(frag.numel - a, max(self.tile_numel // CUT * CUT, 1))
+            piece = Fragment(frag.slot, frag.start + a, frag.start + a + take,
+                             frag.local_offset + a)
+            self.bounds[-1][1] = pos + take
+            out.append((piece, len(self.bounds) - 1))
+            a += take
+        return out
 
 
 class NvmeStore:
     """Files, tiles and the tiled optimizer step of one rank."""
 
-    def __init__(self, groups: list[FlatGroup], index: list, comm: Communicator,
-                 options: OffloadOptions, compute_dtype: torch.dtype, space_numel: int):
+    def __init__(self, groups: list[FlatGroup], index: list, planner: TilePlanner,
+                 tile_of: list[int], comm: Communicator, options: OffloadOptions,
+                 compute_dtype: torch.dtype, space_numel: int):
         self.groups = groups
         self.comm = comm
         self.options = options
         self.compute_dtype = compute_dtype
         self.space_numel = space_numel
-        self.tile_numel = min(options.sub_group_size, max(space_numel, 1))
+        self.tile_numel = planner.tile_numel
         self.gen = 0
         self.stepped = False
         self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
         self.leaves = [leaf for leaf, _, _ in index]
         self.leaf_index = {id(leaf): i for i, leaf in enumerate(self.leaves)}
-        self.tiles = self._tiles(index)
+        self.tiles = self._tiles(index, planner, tile_of)
         self.dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-",
                                     dir=options.optimizer_nvme_path)
         self.param_dir = self.dir
@@ -188,19 +215,16 @@ class NvmeStore:
         self._write_initial_state()
 
     # -- layout ----------------------------------------------------------------------------
-    def _tiles(self, index: list) -> list[Tile]:
-        tiles: list[Tile] = []
-        for i, (leaf, frag, group) in enumerate(index):
-            pos = group.space_offset + frag.local_offset
-            t = pos // self.tile_numel
-            while len(tiles) <= t:
-                k = len(tiles)
-                tiles.append(Tile(k, k * self.tile_numel,
-                                  min((k + 1) * self.tile_numel, self.space_numel), i))
-            a = pos - tiles[t].start
-            tiles[t].leaves.append((leaf, a, a + frag.numel))
-            tiles[t].names.append(frag.slot.name)
-        return [t for t in tiles if t.leaves]
+    def _tiles(self, index: list, planner: TilePlanner, tile_of: list[int]) -> list[Tile]:
+        tiles = [Tile(k, start, end, -1) for k, (start, end) in enumerate(planner.bounds)]
+        for i, ((leaf, frag, group), k) in enumerate(zip(index, tile_of, strict=True)):
+            tile = tiles[k]
+            if tile.first_leaf < 0:
+                tile.first_leaf = i
+            a = group.space_offset + frag.local_offset - tile.start
+            tile.leaves.append((leaf, a, a + frag.numel))
+            tile.names.append(frag.slot.name)
+        return tiles
 
     def file(self, kind: str, gen: int) -> NvmeFile:
         dtype, _ = self.kinds.get(kind, (torch.float32, False))
@@ -213,11 +237,9 @@ class NvmeStore:
     def _write_initial_state(self) -> None:
         """Master and compute params of every trainable group to generation 0; the host
         copies are then freed (stage 3 shards too, with offload_param nvme)."""
-        nbytes = self.space_numel * 4
         for kind in ("master", "params"):
-            f = self.file(kind, 0)
-            self._preallocate(f.path, self.space_numel * f.itemsize)
-        self._preallocate(self.grad_file.path, nbytes)
+            self._create(kind, scalar=False)
+        self._preallocate(self.grad_file.path, self.space_numel * 4)
         frozen_at = 0
         for g in self.groups:
             if g.trainable:
@@ -238,6 +260,21 @@ class NvmeStore:
     def _preallocate(path: str, nbytes: int) -> None:
         with open(path, "wb") as f:
             f.truncate(nbytes)
+
+    def _create(self, kind: str, scalar: bool) -> None:
+        """Both generations of ``kind``'s file at full size (padding included)."""
+        for gen in (0, 1):
+            f = self.file(kind, gen)
+            self._preallocate(f.path, (len(self.leaves) if scalar else self.space_numel)
+                              * f.itemsize)
+
+    def _learn_kind(self, kind: str, value: torch.Tensor) -> bool:
+        """Record a state kind the optimizer created; True if it is new."""
+        if kind in self.kinds:
+            return False
+        self.kinds[kind] = (value.dtype, value.dim() == 0)
+        self._create(kind, value.dim() == 0)
+        return True
 
     # -- gradients (main thread, as units are reduced) --------------------------------------
     def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
@@ -308,8 +345,10 @@ class NvmeStore:
     def _buffers(self) -> list[TileBuffers]:
         if not self._pool:
             most = max(len(t.leaves) for t in self.tiles) if self.tiles else 0
+            most = -(-most // CUT) * CUT  # scalar-state slots, in blocks of CUT
+            numel = max(t.numel for t in self.tiles) if self.tiles else 0
             count = min(self.options.buffer_count, max(len(self.tiles), 1))
-            self._pool = [TileBuffers(self.tile_numel, most, self.compute_dtype,
+            self._pool = [TileBuffers(numel, most, self.compute_dtype,
                                       self.options.pin_memory) for _ in range(count)]
         return self._pool
 
@@ -388,7 +427,7 @@ class NvmeStore:
                 if not isinstance(value, torch.Tensor):
                     continue
                 scalar = value.dim() == 0
-                self.kinds.setdefault(kind, (value.dtype, scalar))
+                self._learn_kind(kind, value)
                 t = buf.kind(kind, value.dtype, scalar)
                 view = t[i] if scalar else t[a:b]
                 if view.data_ptr() != value.data_ptr():  # state created by this first step
@@ -489,7 +528,7 @@ class NvmeStore:
             for kind, value in optimizer.state.get(leaf, {}).items():
                 if isinstance(value, torch.Tensor):
                     scalar = value.dim() == 0
-                    self.kinds.setdefault(kind, (value.dtype, scalar))
+                    self._learn_kind(kind, value)
                     pos = i if scalar else g.space_offset + frag.local_offset
                     self.file(kind, self.gen).write(pos, value.detach().reshape(-1).cpu(), kind)
                     self.stepped = True

@@ -16,7 +16,7 @@ from torch import nn
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
-from meshzero.zero.nvme import split_at_tiles
+from meshzero.zero.nvme import TilePlanner
 from meshzero.zero.offload import placeholder
 from meshzero.zero.units import Fragment
 
@@ -38,6 +38,8 @@ class ShardedOptimizerState:
         self.fragment_index: list[tuple[nn.Parameter, Fragment, FlatGroup]] = []
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
+        self.tiles = None if nvme_tile_numel is None else TilePlanner(nvme_tile_numel)
+        self.tile_of: list[int] = []  # NVMe: the tile of each fragment_index entry
         for group in groups:
             if not group.trainable:
                 continue
@@ -46,10 +48,13 @@ class ShardedOptimizerState:
             self.space_numel += hi - lo
             param_of = dict(zip(group.layout.slots, group.params, strict=True))
             for whole in group.layout.fragments(lo, hi):
-                pieces = [whole] if nvme_tile_numel is None else split_at_tiles(
-                    whole, group.space_offset + whole.local_offset, nvme_tile_numel)
-                for frag in pieces:
-                    self._add_leaf(frag, group, param_of[frag.slot], nvme_tile_numel is None)
+                if self.tiles is None:
+                    self._add_leaf(whole, group, param_of[whole.slot], resident=True)
+                    continue
+                position = group.space_offset + whole.local_offset
+                for frag, tile in self.tiles.add(whole, position):
+                    self._add_leaf(frag, group, param_of[frag.slot], resident=False)
+                    self.tile_of.append(tile)
             for p in group.params:
                 self.fragments.setdefault(p, [])
 

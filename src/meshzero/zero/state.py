@@ -94,8 +94,9 @@ class ZeroModelState:
             nvme_tile_numel=offload.sub_group_size if offload.optimizer == "nvme" else None)
         self.nvme: NvmeStore | None = None
         if offload.optimizer == "nvme":
-            self.nvme = NvmeStore(self.groups, self.optim_state.fragment_index, comm, offload,
-                                  options.compute_dtype, self.optim_state.space_numel)
+            st = self.optim_state
+            self.nvme = NvmeStore(self.groups, st.fragment_index, st.tiles, st.tile_of, comm,
+                                  offload, options.compute_dtype, st.space_numel)
             for g in self.groups:
                 if g.trainable:
                     g.grad_sink = self.nvme.take_grad
