@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from meshzero.comm import Communicator
-from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+from meshzero.zero.flat_buffer import FlatGroup, free_storage
 from meshzero.zero.offload import HOST, OffloadOptions, placeholder, step_subset, subsets_by_group
 from meshzero.zero.units import Fragment
 
@@ -491,13 +491,14 @@ class NvmeStore:
         """Read every master, state tensor and (param nvme) shard into memory; with
         ``write_back`` write them to the current generation afterwards."""
         self.flush_grads()
+        # fresh tensors rather than re-grown storage: a checkpoint writer may hand them to
+        # numpy, which pins their storage size
         for g in self.groups:
             if g.trainable:
-                alloc_storage(g.master)
+                g.master = torch.empty_like(g.master)
                 self.file("master", self.gen).read(g.space_offset, g.master, "master")
             if g.sharded and self.options.param == "nvme":
-                alloc_storage(g.shard)
-                g.shard.copy_(self._read_shard_now(g))
+                g.shard = self._read_shard_now(g)
         for i, (leaf, frag, g) in enumerate(index):
             leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
             if self.stepped:
@@ -542,9 +543,9 @@ class NvmeStore:
             leaf.data = self._leaf_ph[id(leaf)]
         for g in self.groups:
             if g.trainable:
-                free_storage(g.master)
+                g.master = placeholder(g.master.numel(), g.master.dtype)
             if g.sharded and self.options.param == "nvme":
-                free_storage(g.shard)
+                g.shard = placeholder(g.shard.numel(), g.shard.dtype)
 
     # -- accounting ----------------------------------------------------------------------------
     @property
