@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from meshzero.zero.state import CATEGORIES
 from tests.distributed import run_distributed
 from tests.engine_runs import train, zero_config
 from tests.models import build_model
@@ -67,10 +68,10 @@ def test_memory_report_equals_formula(tmp_path, stage, world_size):
     results = run_distributed(train, world_size, tmp_path, "mlp", cfg, STEPS)
     for rank, r in enumerate(results):
         want = expected_memory("mlp", stage, world_size, rank, param_bytes=4)
-        got = {k: v["device"] for k, v in r.memory.items() if k != "gathered_params_peak"}
+        got = {k: v["device"] for k, v in r.memory.items() if k in CATEGORIES}
         assert got == want, f"rank {rank}"
         assert all(v["host"] == 0 and v["nvme"] == 0 for k, v in r.memory.items()
-                   if k != "gathered_params_peak")
+                   if k in CATEGORIES)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -80,13 +81,13 @@ def test_stage3_bf16_memory_is_18_bytes_per_param_over_n(tmp_path, world_size):
     results = run_distributed(train, world_size, tmp_path, "mlp", cfg, STEPS)
     for rank, r in enumerate(results):
         want = expected_memory("mlp", 3, world_size, rank, param_bytes=2)
-        got = {k: v["device"] for k, v in r.memory.items() if k != "gathered_params_peak"}
+        got = {k: v["device"] for k, v in r.memory.items() if k in CATEGORIES}
         assert got == want
     psi = sum(sum(u) for u in _units("mlp"))
     padded = sum(_shard(sum(u), world_size) * world_size for u in _units("mlp"))
     frags = sum(_owned(u, world_size, rank, sharded=True)[1]
                 for rank in range(world_size) for u in _units("mlp"))
-    total = sum(sum(v["device"] for k, v in r.memory.items() if k != "gathered_params_peak")
+    total = sum(sum(v["device"] for k, v in r.memory.items() if k in CATEGORIES)
                 for r in results)
     # summed over ranks: 18 psi, plus 10 bytes per padding element (param, master, grad
     # shards) and Adam's 4-byte step counter per fragment
@@ -98,7 +99,7 @@ def test_stages_shrink_exactly_what_they_shard(tmp_path):
     for stage in range(4):
         r = run_distributed(train, 4, tmp_path, "mlp", zero_config(stage, global_batch=8), STEPS)
         by_stage[stage] = {k: v["device"] for k, v in r[0].memory.items()
-                           if k != "gathered_params_peak"}
+                           if k in CATEGORIES}
     assert by_stage[1]["optimizer_states"] < by_stage[0]["optimizer_states"] / 3
     assert by_stage[1]["params"] == by_stage[0]["params"]
     assert by_stage[1]["grads"] == by_stage[0]["grads"]

@@ -111,14 +111,27 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     (("scheduler", "params", "warmup_max_lr"), "auto", ("scheduler.params.warmup_max_lr", AUTO)),
     (("optimizer", "params", "betas"), [0.9, "auto"], ("optimizer.params.betas[1]", AUTO)),
     # DeepSpeed features meshzero does not implement yet
+    (("zero_optimization", "cpu_offload"), True, ("zero_optimization.cpu_offload", NOT_YET)),
+    (
+        ("zero_optimization", "offload_optimizer"),
+        {"device": "cpu", "ratio": 0.3},
+        ("zero_optimization.offload_optimizer.ratio", NOT_YET),
+    ),
+    # offload: validated keys
     (
         ("zero_optimization", "offload_param"),
-        {"device": "cpu"},
-        ("zero_optimization.offload_param", NOT_YET),
+        {"device": "nvme", "nvme_path": "/nvme"},
+        ("zero_optimization.offload_param.device = 'nvme' needs zero_optimization.offload_opt",),
     ),
-    (("zero_optimization", "offload_optimizer"), {"device": "cpu"}, ("offload_optimizer", NOT_YET)),
+    (
+        ("zero_optimization", "offload_optimizer"),
+        {"device": "nvme"},
+        ("offload_optimizer.device = 'nvme' needs zero_optimization.offload_optimizer.nvme_path",),
+    ),
+    (("zero_optimization", "offload_optimizer"), {"device": "gpu"},
+     ("zero_optimization.offload_optimizer.device = 'gpu'", "'none', 'cpu' or 'nvme'")),
+    (("zero_optimization", "sub_group_size"), 0, ("zero_optimization.sub_group_size = 0",)),
     (("zero_optimization", "zero_quantized_weights"), True, ("zero_quantized_weights", NOT_YET)),
-    (("zero_optimization", "sub_group_size"), 1e9, ("zero_optimization.sub_group_size", NOT_YET)),
     (("zero_optimization", "mics_shard_size"), 8, ("zero_optimization.mics_shard_size", NOT_YET)),
     (("wandb",), {"enabled": True}, ("'wandb'", NOT_YET)),
     (("activation_checkpointing",), {}, ("'activation_checkpointing'", NOT_YET)),

@@ -32,9 +32,15 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 4
 
 
-def demo_config(steps: int, nproc: int, out: Path | None) -> dict[str, Any]:
-    """The demo's ds_config: ZeRO-3 with every parameter sharded, fp32 AdamW, warmup, the
-    profiler at the middle step."""
+def demo_config(steps: int, nproc: int, out: Path | None, offload: bool = True
+                ) -> dict[str, Any]:
+    """The demo's ds_config: ZeRO-3 with every parameter sharded, the fp32 AdamW state in
+    host memory (CPU optimizer offload; off for --scaling, which compares with 16 psi / N),
+    warmup, the profiler at the middle step."""
+    zero: dict[str, Any] = {"stage": 3, "overlap_comm": True,
+                            "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     batch = GLOBAL_BATCH if GLOBAL_BATCH % nproc == 0 else 4 * nproc
     return {
         "train_batch_size": batch,
@@ -46,8 +52,7 @@ def demo_config(steps: int, nproc: int, out: Path | None) -> dict[str, Any]:
         "gradient_clipping": 1.0,
         "steps_per_print": 10**6,  # rank 0 draws a progress bar instead of log lines
         "seed": 0,
-        "zero_optimization": {"stage": 3, "overlap_comm": True,
-                              "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
         "flops_profiler": _profiler_block(steps, out),
     }
 
@@ -189,7 +194,7 @@ def _run_scaling(args: argparse.Namespace, out: Path) -> int:
     results = {}
     for world in args.world_sizes:
         print(f"meshzero demo --scaling: world size {world}, {steps} steps", flush=True)
-        config = demo_config(steps, world, None)
+        config = demo_config(steps, world, None, offload=False)
         config["flops_profiler"] = {"enabled": False}
         config["train_batch_size"] = GLOBAL_BATCH  # the same global batch at every size
         returned = launch(train_rank, world, TrainOptions(steps=steps, config=config,

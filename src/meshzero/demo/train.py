@@ -120,13 +120,16 @@ def _train(engine, corpus: torch.Tensor, opts: TrainOptions, rank: int, show: bo
 
 def memory_table(memory: list[dict[str, Any]], stage: int) -> str:
     """One line per rank: the bytes memory_report() counts, summed over tiers."""
-    head = ["rank", *CATEGORIES, "model states", "gathered peak", "peak RSS"]
+    head = ["rank", *CATEGORIES, "model states", "on device", "in host", "on nvme",
+            "gathered peak", "peak RSS"]
     rows = []
     for entry in memory:
         rep = entry["memory"]
         sums = [sum(rep[c].values()) for c in CATEGORIES]
+        tiers = [sum(rep[c][t] for c in CATEGORIES) for t in ("device", "host", "nvme")]
         rows.append([str(entry["rank"]), *(si(b, "B") for b in sums), si(sum(sums), "B"),
-                     si(rep["gathered_params_peak"], "B"), si(entry["peak_rss"], "B")])
+                     *(si(b, "B") for b in tiers), si(rep["gathered_params_peak"], "B"),
+                     si(entry["peak_rss"], "B")])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
     title = f"{'-' * 20} memory per rank at rest (engine.memory_report(), ZeRO-{stage}) {'-' * 20}"
