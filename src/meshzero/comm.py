@@ -11,6 +11,10 @@ Seconds: ``seconds`` is the wall time during which at least one op of the kind w
 flight, from issue to completion (the union of those intervals; gloo gives no completion
 time, so there an op ends when its wait returns: an upper bound). ``exposed_seconds`` is
 the time the caller spent blocked waiting, i.e. what was not hidden behind compute.
+
+Every op is also counted by phase (``CommStats.phase``: forward, backward, step, set by the
+engine) and as inside-node or across-node: a collective over a group whose ranks sit on more
+than one node (``Topology.node_of``) counts all its bytes as across-node.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class OpStats:
     count: int = 0
     bytes: int = 0
+    inter_node: bool = False
     exposed_seconds: float = 0.0
     intervals: list[tuple[float, float]] = field(default_factory=list)  # (issued, done)
 
@@ -54,24 +59,38 @@ class OpStats:
 class CommStats:
     """Counts per (group name, op). Shared by every communicator of an engine."""
 
-    ops: dict[tuple[str, str], OpStats] = field(default_factory=dict)
+    ops: dict[tuple[str, str, str], OpStats] = field(default_factory=dict)
+    phase: str = "forward"
 
-    def get(self, group: str, op: str) -> OpStats:
-        return self.ops.setdefault((group, op), OpStats())
+    def get(self, group: str, op: str, inter_node: bool = False) -> OpStats:
+        stats = self.ops.setdefault((group, op, self.phase), OpStats())
+        stats.inter_node = inter_node
+        return stats
 
     def reset(self) -> None:
         self.ops.clear()
 
-    def by_op(self) -> dict[str, dict[str, float | int]]:
-        """``{op: {count, bytes, seconds, exposed_seconds}}`` summed over groups."""
+    def by_op(self) -> dict[str, dict]:
+        """``{op: {count, bytes, seconds, exposed_seconds, intra_node_bytes,
+        inter_node_bytes, phases: {phase: {bytes, intra_node_bytes, inter_node_bytes}}}}``
+        summed over groups."""
         out: dict[str, OpStats] = {}
-        for (_, op), s in self.ops.items():
+        split: dict[str, dict] = {}
+        for (_, op, phase), s in self.ops.items():
             acc = out.setdefault(op, OpStats())
             acc.count += s.count
             acc.bytes += s.bytes
             acc.intervals += s.intervals
             acc.exposed_seconds += s.exposed_seconds
-        return {op: s.as_dict() for op, s in sorted(out.items())}
+            where = "inter_node_bytes" if s.inter_node else "intra_node_bytes"
+            per_op = split.setdefault(op, {"intra_node_bytes": 0, "inter_node_bytes": 0,
+                                           "phases": {}})
+            per_op[where] += s.bytes
+            per_phase = per_op["phases"].setdefault(
+                phase, {"bytes": 0, "intra_node_bytes": 0, "inter_node_bytes": 0})
+            per_phase["bytes"] += s.bytes
+            per_phase[where] += s.bytes
+        return {op: {**s.as_dict(), **split[op]} for op, s in sorted(out.items())}
 
 
 class Handle:
@@ -108,8 +127,9 @@ class Communicator:
     """Collectives over one process group, counted into shared :class:`CommStats`."""
 
     def __init__(self, group: dist.ProcessGroup | None, name: str, stats: CommStats,
-                 async_ops: bool = True):
+                 async_ops: bool = True, inter_node: bool = False):
         self.group = group
+        self.inter_node = inter_node  # the group has ranks on more than one node
         self.name = name
         self.stats = stats
         # group None: an axis of size one (see topology.Topology.groups)
@@ -118,7 +138,7 @@ class Communicator:
         self.async_ops = async_ops  # overlap_comm: False waits on every op at once
 
     def _launch(self, op: str, nbytes: int, fn, *buffers) -> Handle:
-        stats = self.stats.get(self.name, op)
+        stats = self.stats.get(self.name, op, self.inter_node)
         stats.count += 1
         stats.bytes += nbytes
         issued = time.perf_counter()

@@ -351,6 +351,41 @@ class FlopsProfilerConfig(_Model):
         return value
 
 
+# --- the mesh (meshzero's own keys) ----------------------------------------------------------
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                      "interleaved_zero_bubble")
+
+
+class TensorParallelConfig(_Model):
+    """`tensor_parallel` (meshzero's key; DeepSpeed's AutoTP keys are not accepted): size of
+    the tp axis (inside a node), the plan (a shipped plan's name or {pattern: style}) and
+    Megatron sequence parallelism."""
+
+    size: PosInt = 1
+    plan: Annotated[str, Strict(), Field(min_length=1)] | dict[str, str] | None = None
+    sequence_parallel: Bool = False
+
+
+class PipelineParallelConfig(_Model):
+    """`pipeline_parallel` (meshzero's key): pp stages (across nodes), a
+    torch.distributed.pipelining schedule, micro-batches per optimizer step, the model's
+    layer list to split (attribute path) and optional explicit stage boundaries."""
+
+    size: PosInt = 1
+    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
+    micro_batches: PosInt | None = None
+    layers: Annotated[str, Strict(), Field(min_length=1)] = "blocks"
+    boundaries: list[NonNegInt] | None = None
+
+
+class TopologyConfig(_Model):
+    """`topology` (meshzero's key): ranks per node (default: torchrun's LOCAL_WORLD_SIZE),
+    which decides what traffic counts as inside a node."""
+
+    ranks_per_node: PosInt | None = None
+
+
 # --- top level -----------------------------------------------------------------------------
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -374,12 +409,16 @@ class Config(BaseModel):
     seed: NonNegInt | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
         problems = _batch_problems(self)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        problems += _mesh_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -399,6 +438,30 @@ class Config(BaseModel):
     def communication_dtype(self) -> torch.dtype | None:
         dtype = self.communication_data_type
         return None if dtype is None else _DTYPES[dtype]
+
+
+def _mesh_problems(config: Config) -> list[str]:
+    """Checks of the mesh keys against each other (the world size is checked at start)."""
+    problems = []
+    pp, tp, zc = config.pipeline_parallel, config.tensor_parallel, config.zero_optimization
+    if pp.size > 1 and zc.stage == 3:
+        problems.append(f"pipeline_parallel.size = {pp.size} with zero_optimization.stage 3: "
+                        "ZeRO-3 gathers parameters per micro-batch, which pipelining defeats; "
+                        "use stage 1 or 2 with pipeline parallelism")
+    if pp.size > 1 and zc.offload_param.device != "none":
+        problems.append("zero_optimization.offload_param needs stage 3, which pipeline "
+                        "parallelism does not support")
+    if tp.size > 1 and tp.plan is None:
+        problems.append(f"tensor_parallel.size = {tp.size} needs tensor_parallel.plan: a shipped "
+                        "plan's name (gpt, hf_gpt2, llama) or {module pattern: "
+                        "colwise|rowwise|vocab}")
+    gas = config.gradient_accumulation_steps
+    if pp.size > 1 and pp.micro_batches is not None and gas is not None and gas != \
+            pp.micro_batches:
+        problems.append(f"pipeline_parallel.micro_batches ({pp.micro_batches}) != "
+                        f"gradient_accumulation_steps ({gas}): with pipelining the micro-batches "
+                        "of one step are the accumulation steps; give one of them")
+    return problems
 
 
 def _batch_problems(config: Config) -> list[str]:

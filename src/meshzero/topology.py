@@ -1,8 +1,9 @@
 """The named device mesh (pp, dp, tp) and its process groups.
 
 Ranks are laid out with tp innermost (inside a node), then dp, then pp outermost, so that
-``rank = (pp_index * dp + dp_index) * tp + tp_index``. Only the ``dp`` axis is used today;
-``pp`` and ``tp`` are part of the object so they slot in without changing callers.
+``rank = (pp_index * dp + dp_index) * tp + tp_index``: with 4 nodes, pp=4 and tp = ranks per
+node, each pipeline stage is one node and tensor slices stay inside it. Node of a rank:
+``rank // ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE unless the config says otherwise).
 """
 
 from __future__ import annotations
@@ -55,6 +56,37 @@ class Topology:
     coords: dict[str, int]
     groups: dict[str, dist.ProcessGroup | None]  # None: the axis has size 1
     device: torch.device
+    ranks_per_node: int = 1
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        tp, dp = self.sizes["tp"], self.sizes["dp"]
+        return {"pp": rank // (tp * dp), "dp": (rank // tp) % dp, "tp": rank % tp}
+
+    def spans_nodes(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether a collective over ``group`` has members on more than one node."""
+        if group is None:
+            return False
+        ranks = dist.get_process_group_ranks(group)
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def rank_map(self) -> str:
+        """For every node, each rank's (pp, dp, tp) coordinates."""
+        nodes = -(-self.world_size // self.ranks_per_node)
+        lines = [f"mesh pp={self.sizes['pp']} x dp={self.sizes['dp']} x tp={self.sizes['tp']} "
+                 f"over {self.world_size} ranks, {self.ranks_per_node} per node "
+                 "(tp innermost, pp outermost)"]
+        for node in range(nodes):
+            ranks = range(node * self.ranks_per_node,
+                          min((node + 1) * self.ranks_per_node, self.world_size))
+            cells = []
+            for r in ranks:
+                c = self.coords_of(r)
+                cells.append(f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})")
+            lines.append(f"  node {node}: " + ", ".join(cells))
+        return "\n".join(lines)
 
     @property
     def dp_size(self) -> int:
@@ -88,14 +120,21 @@ def _axis_ranks(sizes: dict[str, int], axis: str) -> list[list[int]]:
     return [[rank_of(i, j, k) for i in range(pp)] for j in range(dp) for k in range(tp)]
 
 
-def build_topology(tp_size: int = 1, pp_size: int = 1) -> Topology:
+def build_topology(tp_size: int = 1, pp_size: int = 1,
+                   ranks_per_node: int | None = None) -> Topology:
     """Build the mesh over the initialised world. ``dp = world / (tp * pp)``."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % (tp_size * pp_size) != 0:
         raise ValueError(
             f"tensor_parallel.size ({tp_size}) x pipeline_parallel.size ({pp_size}) = "
-            f"{tp_size * pp_size} does not divide the world size {world}"
+            f"{tp_size * pp_size} does not divide the world size {world}; valid: sizes whose "
+            f"product divides {world}"
         )
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % ranks_per_node != 0 and ranks_per_node < world:
+        raise ValueError(f"topology.ranks_per_node = {ranks_per_node} does not divide the world "
+                         f"size {world}")
     sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
     coords = {
         "tp": rank % tp_size,
@@ -114,4 +153,5 @@ def build_topology(tp_size: int = 1, pp_size: int = 1) -> Topology:
             group = dist.new_group(ranks)
             if rank in ranks:
                 groups[axis] = group
-    return Topology(world, rank, sizes, coords, groups, default_device())
+    return Topology(world, rank, sizes, coords, groups, default_device(),
+                    min(ranks_per_node, world))
