@@ -292,6 +292,8 @@ class ZeroConfig(_Model):
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     sub_group_size: PosInt = 1_000_000_000
+    zero_hpz_partition_size: PosInt = 1
+    mics_shard_size: Annotated[Int, Field(ge=-1)] = -1
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "ZeroConfig":
@@ -304,6 +306,16 @@ class ZeroConfig(_Model):
             problems.append(f"zero_optimization.offload_param.device = {par!r} needs "
                             f"zero_optimization.stage 3 (stage is {self.stage}): parameters "
                             "are sharded, and so can be offloaded, only at stage 3")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            problems.append(f"zero_optimization.zero_hpz_partition_size = "
+                            f"{self.zero_hpz_partition_size} needs zero_optimization.stage 3 "
+                            f"(stage is {self.stage}): it keeps a secondary parameter shard")
+        if self.mics_shard_size not in (-1, 0, 1) and self.stage == 0:
+            problems.append(f"zero_optimization.mics_shard_size = {self.mics_shard_size} needs "
+                            "zero_optimization.stage 1, 2 or 3 (stage is 0)")
+        if self.mics_shard_size > 1 and self.zero_hpz_partition_size > 1:
+            problems.append("zero_optimization.mics_shard_size and zero_hpz_partition_size are "
+                            "both set; choose one way of keeping traffic inside a node")
         if par == "nvme" and opt != "nvme":
             problems.append("zero_optimization.offload_param.device = 'nvme' needs "
                             f"zero_optimization.offload_optimizer.device = 'nvme' (it is "

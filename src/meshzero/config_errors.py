@@ -63,8 +63,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hpZ",
-    "zero_optimization.mics_shard_size": "MiCS",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS",
     "zero_optimization.round_robin_gradients": "round-robin gradients",
     "zero_optimization.elastic_checkpoint": "elastic checkpoints",

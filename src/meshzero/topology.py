@@ -72,6 +72,30 @@ class Topology:
         ranks = dist.get_process_group_ranks(group)
         return len({self.node_of(r) for r in ranks}) > 1
 
+    def dp_subgroups(self, k: int) -> tuple[dist.ProcessGroup | None,
+                                            dist.ProcessGroup | None]:
+        """Split every dp group into blocks of ``k`` consecutive dp ranks: this rank's block
+        (inside a node when k <= ranks per node) and the group of ranks at the same position
+        in every block (None where a group would have one rank). Collective: every rank
+        creates every group."""
+        dp = self.sizes["dp"]
+        if k < 1 or dp % k:
+            raise ValueError(f"a partition of {k} ranks does not divide the data-parallel size "
+                             f"{dp}; valid: divisors of {dp}")
+        block = across = None
+        for ranks in _axis_ranks(self.sizes, "dp"):
+            chunks = [ranks[i:i + k] for i in range(0, dp, k)]
+            for members in chunks:
+                group = dist.new_group(members) if k > 1 else None
+                if self.rank in members:
+                    block = group
+            for pos in range(k):
+                members = [c[pos] for c in chunks]
+                group = dist.new_group(members) if len(chunks) > 1 else None
+                if self.rank in members:
+                    across = group
+        return block, across
+
     def rank_map(self) -> str:
         """For every node, each rank's (pp, dp, tp) coordinates."""
         nodes = -(-self.world_size // self.ranks_per_node)

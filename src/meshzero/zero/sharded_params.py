@@ -65,10 +65,14 @@ class ParameterSharder:
         max_live_numel: int,
         max_reuse_distance: int,
         shard_source=None,
+        secondary_comm: Communicator | None = None,
     ):
         """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
         returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
-        reading it (None: the shard is ``group.shard``, on the device or in host memory)."""
+        reading it (None: the shard is ``group.shard``, on the device or in host memory).
+        ``secondary_comm`` (ZeRO++ hpZ): after forward each rank keeps 1/k of the unit, k the
+        size of this group, and backward all-gathers over it (inside a node) instead of over
+        every data-parallel rank."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
@@ -76,6 +80,8 @@ class ParameterSharder:
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
         self.shard_source = shard_source
+        self.secondary_comm = secondary_comm
+        self.secondary: dict[int, list[torch.Tensor]] = {}
         self.device = next((g.full.device for gs in units for g in gs), torch.device("cpu"))
         self.numel = [sum(g.layout.padded_numel for g in gs) for gs in self.units]
         self.pending: dict[int, list[Handle]] = {}
@@ -99,11 +105,28 @@ class ParameterSharder:
         if self.gathered[unit] or unit in self.pending:
             return
         handles = []
-        for g in self.units[unit]:
+        secondary = self.secondary.pop(unit, None)
+        for i, g in enumerate(self.units[unit]):
             alloc_storage(g.full)
             self.memory.add(g.full_nbytes)
-            handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
+            if secondary is not None:  # hpZ: from the secondary shards, inside the node
+                self.memory.add(-secondary[i].numel() * secondary[i].element_size())
+                handles.append(self.secondary_comm.all_gather(g.full, secondary[i]))
+            else:
+                handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
+
+    def _keep_secondary(self, unit: int) -> None:
+        """hpZ, after forward: keep this rank's 1/k of the gathered unit for backward."""
+        comm = self.secondary_comm
+        if unit in self.secondary:  # a unit run twice in one forward: kept already
+            return
+        kept = []
+        for g in self.units[unit]:
+            n = g.layout.padded_numel // comm.size
+            kept.append(g.full[comm.rank * n:(comm.rank + 1) * n].clone())
+            self.memory.add(n * g.full.element_size())
+        self.secondary[unit] = kept
 
     def _shard_on_device(self, g: FlatGroup) -> torch.Tensor:
         """This rank's shard of ``g`` on the device (moved from host memory or a file)."""
@@ -194,6 +217,9 @@ class ParameterSharder:
             if self.in_backward:  # recompute inside this unit's backward: keep it gathered
                 return None
             if not self._reused_soon(unit):
+                if self.secondary_comm is not None and torch.is_grad_enabled():
+                    self.wait_parameters(unit)
+                    self._keep_secondary(unit)
                 self.release_parameters(unit)
             if torch.is_grad_enabled():
                 needs_grad = [t for t in _tensors(output) if t.requires_grad]
@@ -229,6 +255,9 @@ class ParameterSharder:
     def end_backward(self) -> None:
         """After a backward: release everything; the first step's orders are now recorded."""
         self.release_all()
+        for kept in self.secondary.values():  # units that had no backward
+            self.memory.add(-sum(t.numel() * t.element_size() for t in kept))
+        self.secondary.clear()
         self.recording = False
         self.in_backward = False
 
