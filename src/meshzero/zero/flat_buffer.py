@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshzero.zero.offload import OffloadOptions, host_copy, host_zeros
+from meshzero.zero.offload import OffloadOptions, host_copy, host_zeros, placeholder
 from meshzero.zero.units import GroupLayout
 
 
@@ -49,9 +49,13 @@ class FlatGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         offload: OffloadOptions | None = None,
+        master_sink=None,
     ):
+        """``master_sink(master)``: NVMe tier, takes the initial fp32 master of the owned
+        range, which then lives only in its file."""
         offload = offload or OffloadOptions()
         self.offload = offload
+        self._master_sink = master_sink
         self.layout = layout
         self.params = params
         self.stage = stage
@@ -104,6 +108,9 @@ class FlatGroup:
 
     def _make_master(self, init: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         lo, hi = self.owned
+        if self.offload.optimizer == "nvme":
+            self._master_sink(init[lo:hi])
+            return placeholder(hi - lo, torch.float32)
         if self.offload.optimizer != "none":
             return host_copy(init[lo:hi], self.offload.pin_memory)
         if compute_dtype == torch.float32:  # the compute params are the master: no copy

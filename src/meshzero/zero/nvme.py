@@ -180,21 +180,17 @@ class TilePlanner:
 class NvmeStore:
     """Files, tiles and the tiled optimizer step of one rank."""
 
-    def __init__(self, groups: list[FlatGroup], index: list, planner: TilePlanner,
-                 tile_of: list[int], comm: Communicator, options: OffloadOptions,
+    def __init__(self, comm: Communicator, options: OffloadOptions,
                  compute_dtype: torch.dtype, space_numel: int):
-        self.groups = groups
+        """The files; masters arrive by :meth:`write_master` while the groups are built,
+        then :meth:`attach` takes the groups and the optimizer leaves."""
         self.comm = comm
         self.options = options
         self.compute_dtype = compute_dtype
         self.space_numel = space_numel
-        self.tile_numel = planner.tile_numel
         self.gen = 0
         self.stepped = False
         self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
-        self.leaves = [leaf for leaf, _, _ in index]
-        self.leaf_index = {id(leaf): i for i, leaf in enumerate(self.leaves)}
-        self.tiles = self._tiles(index, planner, tile_of)
         self.dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-",
                                     dir=options.optimizer_nvme_path)
         self.param_dir = self.dir
@@ -207,11 +203,26 @@ class NvmeStore:
         self._pool: list[TileBuffers] = []
         self._grad_writes: deque[Future] = deque()
         self._shard_reads: dict[int, Future] = {}
-        self._leaf_ph = {id(leaf): leaf.data for leaf in self.leaves}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
                                     torch.empty(0, dtype=compute_dtype).element_size())
+        for kind in ("master", "params"):
+            self._create(kind, scalar=False)
+        self._preallocate(self.grad_file.path, self.space_numel * 4)
+
+    def write_master(self, offset: int, master: torch.Tensor) -> None:
+        """The initial fp32 master of one group, straight from its construction buffer."""
+        self.file("master", 0).write(offset, master.detach().float().contiguous().cpu(),
+                                     "initial master")
+
+    def attach(self, groups: list[FlatGroup], index: list, planner: TilePlanner,
+               tile_of: list[int]) -> None:
+        self.groups = groups
+        self.tile_numel = planner.tile_numel
+        self.leaves = [leaf for leaf, _, _ in index]
+        self.tiles = self._tiles(index, planner, tile_of)
+        self._leaf_ph = {id(leaf): leaf.data for leaf in self.leaves}
         self._write_initial_state()
 
     # -- layout ----------------------------------------------------------------------------
@@ -235,20 +246,15 @@ class NvmeStore:
                         torch.empty(0, dtype=dtype).element_size())
 
     def _write_initial_state(self) -> None:
-        """Master and compute params of every trainable group to generation 0; the host
-        copies are then freed (stage 3 shards too, with offload_param nvme)."""
-        for kind in ("master", "params"):
-            self._create(kind, scalar=False)
-        self._preallocate(self.grad_file.path, self.space_numel * 4)
+        """Compute params of every trainable group to generation 0 (the masters are there
+        already); stage-3 shards go to files too with offload_param nvme."""
         frozen_at = 0
         for g in self.groups:
             if g.trainable:
-                self.file("master", 0).write(g.space_offset, g.master, "initial master")
                 lo, hi = g.owned
                 src = g.shard if g.sharded else g.full[lo:hi]
                 self.file("params", 0).write(g.space_offset, src.contiguous().cpu(),
                                              "initial params")
-                free_storage(g.master)
             elif g.sharded and self.options.param == "nvme":
                 g.frozen_offset = frozen_at
                 self.frozen_file.write(frozen_at, g.shard.cpu(), "initial frozen params")

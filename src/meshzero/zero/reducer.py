@@ -35,7 +35,10 @@ class GradientReducer:
         bucket_numel: int,
         on_unit_ready: Callable[[int], None] | None = None,
         on_unit_reduced: Callable[[int], None] | None = None,
+        replica_comm: Communicator | None = None,
     ):
+        """``replica_comm`` (MiCS): after the reduce-scatter inside the shard block, the
+        gradient shard is all-reduced across the blocks that replicate it."""
         self.units = units
         self.comm = comm
         self.stage = stage
@@ -43,6 +46,7 @@ class GradientReducer:
         self.bucket_numel = bucket_numel
         self.on_unit_ready = on_unit_ready
         self.on_unit_reduced = on_unit_reduced
+        self.replica_comm = replica_comm
         self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
         self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
         self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
@@ -137,6 +141,8 @@ class GradientReducer:
         accumulate = self.stage >= 2 and not self.grads_are_zero
 
         def finish() -> None:
+            if self.replica_comm is not None:
+                self.replica_comm.all_reduce(out).wait()
             group.take_reduced_grad(out, accumulate)
             group.drop_transient_grad()
             self._reduced(unit)

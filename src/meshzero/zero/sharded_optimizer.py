@@ -80,13 +80,19 @@ class ShardedOptimizerState:
     def _trainable(self):
         return (g for g in self.groups if g.trainable)
 
-    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool,
-                          nvme=None) -> tuple[float, bool]:
+    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool, nvme=None,
+                          model_parallel: list | None = None,
+                          replicated_weight: dict[int, float] | None = None
+                          ) -> tuple[float, bool]:
         """Squared L2 norm of all gradients and whether any is inf/nan, over every rank.
 
         The owned ranges of all ranks partition the model at stages 1-3 (padding is zero), so
         one all-reduce of the local sums gives the global values. At stage 0 every rank owns
         the whole, already reduced, gradient and no communication is needed.
+
+        With tensor or pipeline parallelism the model is also split over ``model_parallel``
+        communicators (tp, pp): their sums are added too, a parameter replicated over tp
+        counted once (``replicated_weight``: id(original parameter) -> 1/tp).
         """
         if not (need_norm or need_overflow):
             return 0.0, False
@@ -95,13 +101,23 @@ class ShardedOptimizerState:
         if nvme is not None:  # the gradient shard is in a file: read it tile by tile
             stats += torch.tensor(nvme.grad_stats(need_norm, need_overflow),
                                   dtype=torch.float64, device=device)
-        for g in self._trainable() if nvme is None else ():
+        if replicated_weight:
+            weight = {id(leaf): replicated_weight.get(id(p), 1.0)
+                      for p, leaves in self.fragments.items() for leaf in leaves}
+            for leaf, view in self._grad_views:
+                if need_norm:
+                    stats[0] += view.double().pow(2).sum() * weight[id(leaf)]
+                if need_overflow:
+                    stats[1] += (~torch.isfinite(view)).sum()
+        for g in self._trainable() if nvme is None and not replicated_weight else ():
             if need_norm:
                 stats[0] += g.grad.double().pow(2).sum()
             if need_overflow:
                 stats[1] += (~torch.isfinite(g.grad)).sum()
         if self.stage >= 1:
             self.comm.all_reduce(stats).wait()
+        for comm in model_parallel or ():
+            comm.all_reduce(stats).wait()
         sq, bad = stats.tolist()
         return sq, bad > 0 or (need_norm and not math.isfinite(sq))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -62,7 +63,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 class ZeroModelState:
     def __init__(self, model: nn.Module, comm: Communicator, device: torch.device,
-                 options: ZeroOptions):
+                 options: ZeroOptions,
+                 materialize: Callable[[Layout], Iterable[int]] | None = None,
+                 secondary_comm: Communicator | None = None,
+                 replica_comm: Communicator | None = None):
         self.model = model
         self.comm = comm
         self.device = device
@@ -77,26 +81,47 @@ class ZeroModelState:
         self.offload = offload = options.offload
         if offload.optimizer == "nvme":
             self._check_nvme_space()
-        named = dict(model.named_parameters())
-        self.units: list[list[FlatGroup]] = [
-            [
-                FlatGroup(g, [named[s.name] for s in g.slots], stage=stage, rank=comm.rank,
-                          compute_dtype=options.compute_dtype, device=device, offload=offload)
-                for g in unit.groups
+        # a meta-device model is made real unit by unit, each unit's groups built as soon as
+        # it is complete (zero/materialize.py); otherwise the units in order
+        ready = range(len(self.layout.units)) if materialize is None else materialize(
+            self.layout)
+        # NVMe: where each trainable group's owned range sits in the optimizer space, so its
+        # master can go to its file as soon as the group is built
+        space, offsets = 0, {}
+        for u, unit in enumerate(self.layout.units):
+            for i, g in enumerate(unit.groups):
+                if g.requires_grad:
+                    offsets[(u, i)] = space
+                    space += g.shard_numel
+        self.nvme: NvmeStore | None = None
+        if offload.optimizer == "nvme":
+            self.nvme = NvmeStore(comm, offload, options.compute_dtype, space)
+
+        def sink(u: int, i: int):
+            if self.nvme is None:
+                return None
+            return lambda master: self.nvme.write_master(offsets[(u, i)], master)
+
+        built: dict[int, list[FlatGroup]] = {}
+        for u in ready:
+            built[u] = [
+                FlatGroup(g, [model.get_parameter(s.name) for s in g.slots], stage=stage,
+                          rank=comm.rank, compute_dtype=options.compute_dtype, device=device,
+                          offload=offload, master_sink=sink(u, i))
+                for i, g in enumerate(self.layout.units[u].groups)
             ]
-            for unit in self.layout.units
-        ]
+        self.units: list[list[FlatGroup]] = [built[u] for u in range(len(self.layout.units))]
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
         self.memory = GatheredMemory(resident)
         self.optim_state = ShardedOptimizerState(
             self.groups, comm, stage=stage, allgather_bucket_numel=options.allgather_bucket_numel,
             nvme_tile_numel=offload.sub_group_size if offload.optimizer == "nvme" else None)
-        self.nvme: NvmeStore | None = None
-        if offload.optimizer == "nvme":
+        if self.nvme is not None:
             st = self.optim_state
-            self.nvme = NvmeStore(self.groups, st.fragment_index, st.tiles, st.tile_of, comm,
-                                  offload, options.compute_dtype, st.space_numel)
+            if st.space_numel != space:
+                raise AssertionError(f"optimizer space {st.space_numel} != layout {space}")
+            self.nvme.attach(self.groups, st.fragment_index, st.tiles, st.tile_of)
             for g in self.groups:
                 if g.trainable:
                     g.grad_sink = self.nvme.take_grad
@@ -108,11 +133,12 @@ class ZeroModelState:
                 max_live_numel=options.max_live_numel,
                 max_reuse_distance=options.max_reuse_distance,
                 shard_source=self.nvme if offload.param == "nvme" else None,
+                secondary_comm=secondary_comm,
             )
         self.reducer = GradientReducer(
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
             bucket_numel=options.reduce_bucket_numel, on_unit_ready=self._on_unit_ready,
-            on_unit_reduced=self._on_unit_reduced,
+            on_unit_reduced=self._on_unit_reduced, replica_comm=replica_comm,
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.stepper = UnitStepper()
