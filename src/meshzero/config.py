@@ -366,7 +366,7 @@ class FlopsProfilerConfig(_Model):
 # --- the mesh (meshzero's own keys) ----------------------------------------------------------
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                      "interleaved_zero_bubble")
+                      "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 class TensorParallelConfig(_Model):
@@ -381,13 +381,18 @@ class TensorParallelConfig(_Model):
 
 class PipelineParallelConfig(_Model):
     """`pipeline_parallel` (meshzero's key): pp stages (across nodes), a
-    torch.distributed.pipelining schedule, micro-batches per optimizer step, the model's
-    layer list to split (attribute path) and optional explicit stage boundaries."""
+    torch.distributed.pipelining schedule, micro-batches per optimizer step (= the gradient
+    accumulation steps), the model's layer list to split (attribute path, "" for the model
+    itself), the modules run before it on the first stage and after it on the last, virtual
+    stages per rank and optional explicit stage boundaries (first layer of stages 1..S-1)."""
 
     size: PosInt = 1
     schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
     micro_batches: PosInt | None = None
-    layers: Annotated[str, Strict(), Field(min_length=1)] = "blocks"
+    layers: Annotated[str, Strict()] = ""
+    first: list[Annotated[str, Strict(), Field(min_length=1)]] = Field(default_factory=list)
+    last: list[Annotated[str, Strict(), Field(min_length=1)]] = Field(default_factory=list)
+    stages_per_rank: PosInt | None = None
     boundaries: list[NonNegInt] | None = None
 
 
@@ -463,6 +468,13 @@ def _mesh_problems(config: Config) -> list[str]:
     if pp.size > 1 and zc.offload_param.device != "none":
         problems.append("zero_optimization.offload_param needs stage 3, which pipeline "
                         "parallelism does not support")
+    if pp.size > 1 and tp.sequence_parallel:
+        problems.append("tensor_parallel.sequence_parallel with pipeline_parallel.size > 1 is "
+                        "not supported: activations between stages would be split by sequence")
+    if tp.size > 1 and zc.offload_optimizer.device == "nvme":
+        problems.append("tensor_parallel.size > 1 with offload_optimizer.device 'nvme' is not "
+                        "supported yet (the NVMe gradient norm does not weigh replicated "
+                        "tensors); use 'cpu'")
     if tp.size > 1 and tp.plan is None:
         problems.append(f"tensor_parallel.size = {tp.size} needs tensor_parallel.plan: a shipped "
                         "plan's name (gpt, hf_gpt2, llama) or {module pattern: "

@@ -52,6 +52,7 @@ class GradientReducer:
         self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
         self.inflight: deque[tuple[Handle, Callable[[], None], int]] = deque()
         self.grads_are_zero = True
+        self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
         self._reduce_now = False
         self._reset()
         self._hooks = [
@@ -70,6 +71,8 @@ class GradientReducer:
 
     def _make_hook(self, unit: int, group: FlatGroup, index: int):
         def hook(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
             with torch.no_grad():
                 group.accumulate(index, param.grad)
             param.grad = None
@@ -92,6 +95,21 @@ class GradientReducer:
         while self.next_pos < len(self.order) and self.ready[self.order[self.next_pos]]:
             self._launch(self.order[self.next_pos])
             self.next_pos += 1
+
+    def reduce_param_grads(self) -> None:
+        """Move every ``param.grad`` (accumulated with the hooks off) into the flat buffers
+        and reduce all units, as at the end of a boundary backward."""
+        with torch.no_grad():
+            for groups in self.units:
+                for group in groups:
+                    if not group.trainable:
+                        continue
+                    for i, p in enumerate(group.params):
+                        if p.grad is not None:
+                            group.accumulate(i, p.grad)
+                            p.grad = None
+        self.begin_backward(True)
+        self.finish_backward()
 
     def finish_backward(self) -> None:
         """Reduce units that never became ready (unused params) and wait for all reductions."""

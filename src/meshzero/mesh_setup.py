@@ -1,0 +1,116 @@
+"""Tensor and pipeline parallelism in the engine: cut the model before ZeRO sees it, and the
+pipeline's ``train_batch``.
+
+Order at ``initialize``: every rank starts from rank 0's full model (one broadcast over the
+world), the pipeline keeps this rank's stage(s) (``parallel/pipeline.py``), tensor
+parallelism replaces the planned Linear/Embedding layers of what is left by their tp slices
+(``parallel/tensor.py``), and ZeRO then shards the remaining local parameters over the
+data-parallel ranks of the same (pp, tp) coordinate. Gradient norms add the tp and pp parts
+(a tensor replicated over tp, or tied across pp stages, counted once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshzero.comm import CommStats, Communicator
+from meshzero.config import Config
+from meshzero.topology import Topology
+
+
+def broadcast_from_world_rank0(model: nn.Module, topology: Topology) -> None:
+    """Every rank starts from rank 0's parameters and buffers (before tp/pp cut them)."""
+    from meshzero.engine import _broadcast_module
+
+    if topology.world_size > 1:
+        _broadcast_module(model, Communicator(dist.group.WORLD, "init", CommStats()), src=0)
+
+
+def cut_model(model: nn.Module, config: Config, topology: Topology, device: torch.device, *,
+              loss_fn: Callable | None, example_inputs: Any, pipeline_layout: Any,
+              micro_batches: int):
+    """``(module this rank trains, Pipeline or None)`` after pipeline and tensor cuts."""
+    pipe = None
+    pp, tp = config.pipeline_parallel, config.tensor_parallel
+    if pp.size > 1:
+        from meshzero.parallel.pipeline import PipelineLayout, build_pipeline
+
+        if loss_fn is None or example_inputs is None:
+            raise ValueError(f"pipeline_parallel.size = {pp.size} needs initialize(loss_fn=..., "
+                             "example_inputs=...): the last stage computes the loss, and one "
+                             "micro-batch of inputs fixes the shapes sent between stages")
+        if tp.sequence_parallel:
+            raise ValueError("tensor_parallel.sequence_parallel with pipeline_parallel is not "
+                             "supported: activations between stages would be split along the "
+                             "sequence")
+        layout = pipeline_layout or PipelineLayout(layers=pp.layers, first=tuple(pp.first),
+                                                   last=tuple(pp.last))
+        pipe = build_pipeline(model, pp_group=topology.groups["pp"], schedule=pp.schedule,
+                              micro_batches=micro_batches, loss_fn=loss_fn,
+                              example_inputs=example_inputs, layout=layout,
+                              stages_per_rank=pp.stages_per_rank, boundaries=pp.boundaries,
+                              device=device)
+        model = pipe.module
+    if tp.size > 1:
+        from meshzero.parallel.tensor import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, tp.plan, topology.groups["tp"],
+                                      sequence_parallel=tp.sequence_parallel)
+    return model, pipe
+
+
+def norm_weights(module: nn.Module, topology: Topology, pipe) -> dict[int, float] | None:
+    """id(param) -> its weight in the global gradient norm: 1/tp for a tensor every tp rank
+    holds whole, 0 for a tied tensor another pp rank owns; None when all weights are 1."""
+    if topology.tp_size == 1 and pipe is None:
+        return None
+    from meshzero.parallel.tensor import is_tp_sharded
+
+    weights = {}
+    for p in module.parameters():
+        w = 1.0 if is_tp_sharded(p) else 1.0 / topology.tp_size
+        if pipe is not None and not pipe.owns_parameter(p):
+            w = 0.0
+        weights[id(p)] = w
+    return weights
+
+
+def model_parallel_comms(topology: Topology, stats: CommStats) -> list[Communicator]:
+    """Communicators over the tp and pp axes (for the gradient norm and overflow)."""
+    return [Communicator(topology.groups[axis], axis, stats,
+                         inter_node=topology.spans_nodes(topology.groups[axis]))
+            for axis in ("tp", "pp") if topology.groups[axis] is not None]
+
+
+def train_batch(engine, data_iter: Iterator | None) -> torch.Tensor:
+    """One optimizer step of ``micro_batches`` micro-batches through the pipeline; every pp
+    rank returns the mean loss. ``data_iter`` yields ``(inputs, targets)`` micro-batches
+    (needed on the first and last stage; every rank of a dp replica must see the same)."""
+    pipe = engine.pipeline
+    if pipe is None:
+        raise ValueError("train_batch() drives a pipeline (pipeline_parallel.size > 1); "
+                         "without one use engine(x), engine.backward(loss), engine.step()")
+    inputs = targets = None
+    if pipe.has_first_stage or pipe.has_last_stage:
+        if data_iter is None:
+            raise ValueError("train_batch() needs data_iter on the first and last stage")
+        items = [next(data_iter) for _ in range(pipe.micro_batches)]
+        inputs = torch.cat([x for x, _ in items]).to(engine.device)
+        targets = torch.cat([y for _, y in items]).to(engine.device)
+    engine._open_window()
+    engine.comm_stats.phase = "backward"  # forward and backward interleave in a schedule
+    pipe.loss_scale = engine.loss_scaler.scale
+    engine.zero.reducer.enabled = False  # grads accumulate in .grad over the micro-batches
+    try:
+        loss = pipe.step(inputs, targets, broadcast_loss=True)
+    finally:
+        engine.zero.reducer.enabled = True
+    engine.zero.reducer.reduce_param_grads()
+    engine.micro_steps += engine.grad_accum - 1
+    engine.step()
+    return loss
