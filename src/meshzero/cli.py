@@ -3,6 +3,8 @@
     meshzero consolidate CKPT_DIR OUT [--tag T] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
     meshzero demo [--nproc N] [--config FILE] [--steps S] [--out DIR] [--scaling]
     meshzero env
+    meshzero estimate MODEL|--params N [--nodes N --gpus-per-node G --gpu-memory M ...]
+    meshzero plan MODEL|--params N [--nodes N --gpus-per-node G --gpu-memory M ...]
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from meshzero import envreport
+from meshzero import plan as plan_command
 from meshzero.demo import run as demo
+from meshzero.estimate import command as estimate_command
 
 
 def _add_consolidate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -49,6 +53,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.Argume
     "demo": (demo.add_parser, demo.run),
     "env": (envreport.add_parser, envreport.run),
     "consolidate": (_add_consolidate, _run_consolidate),
+    "estimate": (estimate_command.add_parser, estimate_command.run),
+    "plan": (plan_command.add_parser, plan_command.run),
 }
 
 

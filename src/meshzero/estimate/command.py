@@ -1,0 +1,98 @@
+"""``meshzero estimate``: the command line of :func:`meshzero.estimate.estimate`. The model,
+cluster and config arguments are shared with ``meshzero plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshzero.estimate.core import Estimator
+from meshzero.estimate.model import ModelSpec, load_model
+from meshzero.estimate.settings import OFFLOAD_DEVICES, PRECISIONS, Cluster, settings_from_config
+from meshzero.weights_io import parse_size
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (one of)")
+    g.add_argument("model", nargs="?", default=None,
+                   help="an import path 'pkg.mod:factory' (a zero-argument callable returning "
+                        "an nn.Module) or a Hugging Face config.json; built on the meta device")
+    g.add_argument("--params", default=None,
+                   help="no model: this many parameters (7e9, 7B, 350M)")
+    g.add_argument("--largest-unit", default=None,
+                   help="with --params: parameters of the largest unit (one transformer block)")
+    g.add_argument("--inputs", default=None, metavar="PKG.MOD:FN",
+                   help="fn(micro_batch, seq_len) -> the forward's arguments, when they cannot "
+                        "be guessed (default: token ids for a model that starts with an "
+                        "embedding, features for one that starts with a Linear)")
+    g.add_argument("--activation-memory", default=None, metavar="BYTES",
+                   help="with --params: activation bytes per sample (e.g. 2GB)")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int, default=1, help="default 1")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    g.add_argument("--gpu-memory", default="80GB", help="per GPU (default 80GB)")
+    g.add_argument("--host-memory", default="1TB", help="per node (default 1TB)")
+
+
+def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> None:
+    g = p.add_argument_group("config (flags override the ds_config)")
+    g.add_argument("--config", default=None, help="a ds_config.json")
+    if not search:
+        g.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None)
+        g.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default=None)
+        g.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default=None)
+        g.add_argument("--micro-batch", type=int, default=None,
+                       help="samples per GPU per micro-step (default: the config's, else 1)")
+    g.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                   help="compute dtype (default: the config's, else fp32)")
+    g.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample (default: the model's context length)")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="count activations as if every unit (repeated block) were run under "
+                        "torch.utils.checkpoint")
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   gpu_memory=args.gpu_memory, host_memory=args.host_memory)
+
+
+def model_of(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
+    spec = load_model(args.model, params=args.params, largest_unit=args.largest_unit,
+                      inputs=args.inputs)
+    per_sample = (parse_size(args.activation_memory) if args.activation_memory is not None
+                  else None)
+    return spec, per_sample
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "estimate", help="memory per GPU and per node of a model, config and cluster",
+        description="Estimate the memory of training a model with meshzero: per GPU "
+                    "parameters, gradients, master parameters, optimizer states (the bytes "
+                    "engine.memory_report() reports), the stage-3 gathered working set, "
+                    "communication buckets and activations (one forward/backward on fake "
+                    "tensors); per node host memory; whether it fits, and the largest micro "
+                    "batch that does.")
+    add_model_args(p)
+    add_cluster_args(p)
+    add_settings_args(p)
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = cluster_of(args)
+    spec, per_sample = model_of(args)
+    settings = settings_from_config(
+        args.config, cluster.world_size, stage=args.stage, precision=args.precision,
+        offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+        micro_batch=args.micro_batch, seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing)
+    est = Estimator(spec, per_sample).estimate(settings, cluster)
+    print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else est)
+    return 0
+

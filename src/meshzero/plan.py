@@ -1,0 +1,448 @@
+"""``meshzero plan``: the configurations that fit a cluster, ranked by estimated step time.
+
+For every ZeRO stage, offload choice (optimizer none/cpu/nvme at stages 1-3, parameters
+none/cpu/nvme at stage 3) and micro batch, :mod:`meshzero.estimate` decides whether it fits;
+those that fit are ranked by a step-time model whose assumptions are flags, printed with the
+result:
+
+    step     = max(gas * compute, communication) + offload   (collectives overlap compute,
+               as meshzero's overlap_comm does; offload traffic and the host step do not)
+    compute  = FLOPs of one micro-step / (gpu_flops * mfu); FLOPs counted on fake tensors
+               (6 * params * tokens without a model)
+    communication per step, over the ring bus bandwidth (inter-node when nodes > 1), with
+               psi the padded parameter count and (N-1)/N the ring factor:
+               stage 0  all-reduce 2 psi (gradient dtype)
+               stage 1  reduce-scatter psi (gradients) + all-gather psi (compute dtype)
+               stage 2  as stage 1, the reduce-scatter every micro-step
+               stage 3  per micro-step 2 all-gathers psi + 1 reduce-scatter psi
+    offload  = PCIe copies of the gradient and parameter shards, the host optimizer step
+               (cpu_adam_rate per node) and NVMe reads and writes (nvme_bw per node)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from meshzero.config import Config, load_config
+from meshzero.estimate.command import (
+    add_cluster_args,
+    add_model_args,
+    add_settings_args,
+    cluster_of,
+    model_of,
+)
+from meshzero.estimate.core import Estimate, Estimator
+from meshzero.estimate.model import InputsFn, load_model
+from meshzero.estimate.report import fmt_bytes
+from meshzero.estimate.settings import Cluster, Settings, settings_from_config
+from meshzero.profiling.report import seconds, si
+from meshzero.weights_io import parse_size
+
+# (offload_optimizer, offload_param) per stage; parameters move only at stage 3, and NVMe
+# parameters need the NVMe optimizer (the NVMe step writes the parameter files)
+OFFLOADS = {
+    0: [("none", "none")],
+    1: [("none", "none"), ("cpu", "none"), ("nvme", "none")],
+    2: [("none", "none"), ("cpu", "none"), ("nvme", "none")],
+    3: [("none", "none"), ("cpu", "none"), ("nvme", "none"), ("none", "cpu"), ("cpu", "cpu"),
+        ("nvme", "cpu"), ("nvme", "nvme")],
+}
+MAX_MICRO_BATCH_LOG2 = 20
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The hardware the step-time model assumes (defaults: an A100-80GB HDR cluster)."""
+
+    gpu_flops: float = 312e12  # peak FLOP/s per GPU (A100 bf16 dense)
+    mfu: float = 0.5  # fraction of the peak that compute reaches
+    intra_node_bw: float = 150e9  # ring bus bandwidth per GPU inside a node, bytes/s
+    inter_node_bw: float = 25e9  # ring bus bandwidth per GPU across nodes, bytes/s
+    pcie_bw: float = 25e9  # device <-> host per GPU, bytes/s
+    nvme_bw: float = 3e9  # NVMe read (and write) per node, bytes/s
+    cpu_adam_rate: float = 2e9  # optimizer elements per second on the host, per node
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"plan assumption {f.name} must be positive, got {value!r}")
+
+    def lines(self) -> list[str]:
+        return [
+            f"  compute     --gpu-flops {si(self.gpu_flops)}FLOP/s x --mfu {self.mfu:g}",
+            f"  collectives --intra-node-bw {fmt_bytes(self.intra_node_bw)}/s, --inter-node-bw "
+            f"{fmt_bytes(self.inter_node_bw)}/s per GPU (ring bus bandwidth), overlapping compute",
+            f"  offload     --pcie-bw {fmt_bytes(self.pcie_bw)}/s per GPU, --nvme-bw "
+            f"{fmt_bytes(self.nvme_bw)}/s per node, --cpu-adam-rate {self.cpu_adam_rate:.3g} "
+            "elements/s per node; not overlapped",
+        ]
+
+
+@dataclass
+class Candidate:
+    """One configuration that fits, with its estimated times (seconds per optimizer step)."""
+
+    estimate: Estimate
+    compute_s: float
+    comm_s: float
+    offload_s: float
+    tokens_per_step: int
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.comm_s) + self.offload_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else float("inf")
+
+    def ds_config(self, base: dict[str, Any] | None = None,
+                  nvme_path: str = "/local_nvme") -> dict[str, Any]:
+        """A ds_config for this candidate: ``base`` with the batch and zero_optimization set."""
+        s, c = self.estimate.settings, self.estimate.cluster
+        cfg = copy.deepcopy(base) if base else {}
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps"):
+            cfg.pop(key, None)
+        cfg["train_micro_batch_size_per_gpu"] = s.micro_batch
+        cfg["gradient_accumulation_steps"] = s.grad_accum
+        cfg["train_batch_size"] = s.micro_batch * s.grad_accum * c.world_size
+        if s.precision != "fp32":
+            cfg[s.precision] = {**cfg.get(s.precision, {}), "enabled": True}
+        zero = dict(cfg.get("zero_optimization", {}))
+        zero["stage"] = s.stage
+        for key, device in (("offload_optimizer", s.offload_optimizer),
+                            ("offload_param", s.offload_param)):
+            zero.pop(key, None)
+            if device != "none":
+                zero[key] = {"device": device, **({"nvme_path": nvme_path}
+                                                  if device == "nvme" else {})}
+        cfg["zero_optimization"] = zero
+        return cfg
+
+    def row(self, index: int) -> list[str]:
+        e, s = self.estimate, self.estimate.settings
+        return [str(index), str(s.stage), s.offload_optimizer, s.offload_param,
+                str(s.micro_batch), str(s.grad_accum),
+                "on" if s.activation_checkpointing else "off", fmt_bytes(e.gpu_bytes),
+                fmt_bytes(e.host_bytes_per_node), seconds(self.step_s),
+                seconds(self.compute_s), seconds(self.comm_s), seconds(self.offload_s),
+                si(self.tokens_per_s)]
+
+
+HEADER = ["#", "stage", "off.opt", "off.param", "micro", "gas", "ckpt", "GPU mem",
+          "host/node", "step", "compute", "comm", "offload", "tokens/s"]
+
+
+@dataclass
+class Plan:
+    model: str
+    num_params: int
+    cluster: Cluster
+    assumptions: Assumptions
+    global_batch: int | None
+    candidates: list[Candidate]  # fastest first
+    considered: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def table(self, top: int | None = 10) -> str:
+        shown = self.candidates if not top else self.candidates[:top]
+        rows = [HEADER] + [c.row(i + 1) for i, c in enumerate(shown)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+        return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True))
+                         for r in rows)
+
+    def format(self, top: int | None = 10) -> str:
+        c = self.cluster
+        batch = (f"global batch {self.global_batch}" if self.global_batch
+                 else "no global batch given: gradient accumulation 1")
+        lines = [
+            f"meshzero plan: {self.model} ({si(self.num_params)} parameters) on {c.nodes} "
+            f"node(s) x {c.gpus_per_node} GPUs, {fmt_bytes(c.gpu_memory)} per GPU, "
+            f"{fmt_bytes(c.host_memory)} host memory per node; {batch}",
+            "assumptions (flags):", *self.assumptions.lines(),
+            "step = max(gas x compute, communication) + offload; ranked by tokens/s",
+            "",
+            self.table(top),
+            "",
+            f"{len(self.candidates)} of {self.considered} configurations fit (every stage and "
+            "offload choice; micro batches "
+            + ("dividing the global batch" if self.global_batch else "1, 2, 4, ...")
+            + " up to the largest whose activations fit)"
+            + (f"; the first {top} shown (--top 0 shows all)"
+               if top and len(self.candidates) > top else ""),
+        ]
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+class Planner:
+    def __init__(self, estimator: Estimator, base: Settings, cluster: Cluster,
+                 assumptions: Assumptions, global_batch: int | None):
+        self.estimator = estimator
+        self.base = base
+        self.cluster = cluster
+        self.assumptions = assumptions
+        self.global_batch = global_batch
+
+    def micro_batches(self, checkpointing: bool, room: int) -> list[int]:
+        """Powers of two (or, with a global batch, the divisors of its share per rank) whose
+        activations fit in ``room`` bytes, measured in increasing order."""
+        n = self.cluster.world_size
+        if self.global_batch is not None:
+            if self.global_batch % n:
+                raise ValueError(f"global batch {self.global_batch} is not divisible by the "
+                                 f"{n} data-parallel ranks")
+            per_rank = self.global_batch // n
+            options = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        else:
+            options = [1 << k for k in range(MAX_MICRO_BATCH_LOG2 + 1)]
+        if not self.estimator.spec.runnable and self.estimator.activations_per_sample is None:
+            return [b for b in options if b == self.base.micro_batch] or options[:1]
+        settings = dataclasses.replace(self.base, activation_checkpointing=checkpointing)
+        out = []
+        for b in options:
+            if (self.estimator.activation_bytes(settings, b) or 0) > room:
+                break
+            out.append(b)
+        return out
+
+    def run(self, checkpointing_options: tuple[bool, ...]) -> Plan:
+        considered, fits, smallest = 0, [], None
+        rooms = {}
+        for ckpt in checkpointing_options:
+            for stage, offloads in OFFLOADS.items():
+                for opt, par in offloads:
+                    settings = dataclasses.replace(self.base, stage=stage, offload_optimizer=opt,
+                                                   offload_param=par, micro_batch=1,
+                                                   grad_accum=1, activation_checkpointing=ckpt)
+                    first = self.estimator.estimate(settings, self.cluster,
+                                                    search_micro_batch=False)
+                    if smallest is None or _pressure(first) < _pressure(smallest):
+                        smallest = first
+                    rooms[(ckpt, stage, opt, par)] = (first, self.cluster.gpu_memory - (
+                        first.gpu_bytes - (first.activations or 0)))
+        # every configuration shares the activation runs: measure up to the largest room
+        batches = {ckpt: self.micro_batches(ckpt, max(r for (k, *_), (_, r) in rooms.items()
+                                                      if k == ckpt))
+                   for ckpt in checkpointing_options}
+        for (ckpt, *_), (first, _) in rooms.items():
+            for b in batches[ckpt] or [1]:
+                considered += 1
+                gas = (self.global_batch // (b * self.cluster.world_size)
+                       if self.global_batch else 1)
+                est = self.estimator.estimate(
+                    dataclasses.replace(first.settings, micro_batch=b, grad_accum=gas),
+                    self.cluster, search_micro_batch=False)
+                if est.fits:
+                    fits.append(self.timed(est))
+        if not fits:
+            raise ValueError(_nothing_fits(smallest, self.cluster))
+        fits.sort(key=lambda c: (-c.tokens_per_s, c.estimate.gpu_bytes))
+        spec = self.estimator.spec
+        plan = Plan(spec.name, spec.num_params, self.cluster, self.assumptions,
+                    self.global_batch, fits, considered)
+        if not spec.runnable and self.estimator.activations_per_sample is None:
+            plan.notes.append("activations are not counted (no model to run): give "
+                              "--activation-memory per sample")
+        return plan
+
+    def timed(self, est: Estimate) -> Candidate:
+        s, c, a = est.settings, est.cluster, self.assumptions
+        tokens = s.micro_batch * (s.seq_len or 1)
+        flops = est.flops_per_micro_batch
+        if flops is None:
+            flops = (8 if s.activation_checkpointing else 6) * est.num_params * tokens
+        compute = s.grad_accum * flops / (a.gpu_flops * a.mfu)
+        states = self.estimator.states(s, c.world_size)
+        comm = communication_bytes(states.layout, s) / (
+            a.inter_node_bw if c.nodes > 1 else a.intra_node_bw)
+        offload = offload_seconds(states.layout, s, c, a)
+        return Candidate(est, compute, comm, offload, tokens * s.grad_accum * c.world_size)
+
+
+def communication_bytes(layout, s: Settings) -> float:
+    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count)."""
+    n = layout.num_shards
+    ring = (n - 1) / n
+    total = 0.0
+    for g in layout.groups():
+        sharded = s.stage == 3 and not g.persistent
+        gathers = 2 * s.grad_accum if sharded else (1 if s.stage >= 1 and g.requires_grad else 0)
+        total += gathers * g.padded_numel * s.compute_bytes
+        if g.requires_grad:
+            if s.stage == 0:
+                total += 2 * g.padded_numel * s.comm_bytes
+            else:
+                reduces = s.grad_accum if s.stage >= 2 else 1
+                total += reduces * g.padded_numel * s.comm_bytes
+    return total * ring
+
+
+def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
+    owned = sum(g.shard_numel for g in layout.groups() if g.requires_grad)
+    sharded = sum(g.shard_numel for g in layout.groups()
+                  if s.stage == 3 and not g.persistent)
+    per_rank_nvme = a.nvme_bw / c.gpus_per_node
+    out = 0.0
+    if s.offload_optimizer != "none":
+        # gradient shard to the host, updated shard back in the compute dtype, host step
+        out += owned * (4 + s.compute_bytes) / a.pcie_bw
+        out += owned / (a.cpu_adam_rate / c.gpus_per_node)
+    if s.offload_optimizer == "nvme":  # read and write master + states per step
+        out += 2 * owned * (4 + s.state_bytes_per_element) / per_rank_nvme
+    if s.offload_param != "none":  # shards to the device for forward and backward
+        out += 2 * s.grad_accum * sharded * s.compute_bytes / a.pcie_bw
+    if s.offload_param == "nvme":
+        out += (2 * s.grad_accum + 1) * sharded * s.compute_bytes / per_rank_nvme
+    return out
+
+
+def _pressure(e: Estimate) -> float:
+    """How far over its limits a configuration is: the larger of GPU and host use ratios."""
+    return max(e.gpu_bytes / e.cluster.gpu_memory, e.host_bytes_per_node / e.cluster.host_memory)
+
+
+def _nothing_fits(smallest: Estimate | None, cluster: Cluster) -> str:
+    assert smallest is not None
+    s = smallest.settings
+    return (f"no configuration fits {smallest.model} ({si(smallest.num_params)} parameters) on "
+            f"{cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs: the closest needs "
+            f"{fmt_bytes(smallest.gpu_bytes)} per GPU (of {fmt_bytes(cluster.gpu_memory)}) and "
+            f"{fmt_bytes(smallest.host_bytes_per_node)} host memory per node (of "
+            f"{fmt_bytes(cluster.host_memory)}), with stage {s.stage}, offload optimizer "
+            f"{s.offload_optimizer} / params {s.offload_param}, micro batch 1; add GPUs, nodes "
+            "or host memory, or use bf16, activation checkpointing, a shorter sequence or a "
+            "smaller sub_group_size (NVMe tiles)")
+
+
+def plan(
+    model: str | nn.Module | Callable[[], nn.Module] | None = None,
+    *,
+    params: int | str | None = None,
+    largest_unit: int | str | None = None,
+    cluster: Cluster | None = None,
+    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+    inputs: InputsFn | str | None = None,
+    activations_per_sample: int | str | None = None,
+    global_batch: int | None = None,
+    assumptions: Assumptions | None = None,
+    try_activation_checkpointing: bool = False,
+    **settings: Any,
+) -> Plan:
+    """Every stage / offload / micro batch that fits ``cluster``, fastest first.
+
+    ``config`` and ``settings`` fix what is not searched (precision, seq_len, buckets...);
+    ``try_activation_checkpointing`` also tries every configuration with it.
+    """
+    cluster = cluster if cluster is not None else Cluster()
+    spec = load_model(model, params=params, largest_unit=largest_unit, inputs=inputs)
+    per_sample = (parse_size(activations_per_sample) if activations_per_sample is not None
+                  else None)
+    base = settings_from_config(config, cluster.world_size, **settings)
+    if global_batch is None and config is not None:
+        global_batch = load_config(config).train_batch_size
+    return _plan(Estimator(spec, per_sample), base, cluster, assumptions or Assumptions(),
+                 global_batch, try_activation_checkpointing)
+
+
+def _plan(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: Assumptions,
+          global_batch: int | None, try_checkpointing: bool) -> Plan:
+    if base.seq_len is None:
+        seq = estimator.spec.default_seq_len
+        if seq is None and not estimator.spec.runnable:
+            raise ValueError("a plan needs the tokens per sample for its FLOPs: give --seq-len")
+        base = dataclasses.replace(base, seq_len=seq)
+    options = (False, True) if try_checkpointing else (base.activation_checkpointing,)
+    return Planner(estimator, base, cluster, assumptions, global_batch).run(options)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="the configs that fit a cluster, ranked by estimated step time",
+        description="Try every ZeRO stage, offload choice and micro batch, keep those that "
+                    "fit (meshzero estimate) and rank them by a step time estimated from "
+                    "FLOPs and communication volume under the stated assumptions.")
+    add_model_args(p)
+    add_cluster_args(p)
+    add_settings_args(p, search=True)
+    defaults = Assumptions()
+    g = p.add_argument_group("assumptions of the step-time model")
+    g.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step (default: none; gradient accumulation 1)")
+    g.add_argument("--gpu-flops", type=float, default=defaults.gpu_flops,
+                   help=f"peak FLOP/s per GPU (default {defaults.gpu_flops:g}, A100 bf16)")
+    g.add_argument("--mfu", type=float, default=defaults.mfu,
+                   help=f"fraction of the peak reached (default {defaults.mfu:g})")
+    for name, text in (("intra-node-bw", "ring bus bandwidth per GPU inside a node"),
+                       ("inter-node-bw", "ring bus bandwidth per GPU across nodes"),
+                       ("pcie-bw", "device <-> host per GPU"),
+                       ("nvme-bw", "NVMe read or write per node")):
+        value = getattr(defaults, name.replace("-", "_"))
+        g.add_argument(f"--{name}", default=value, type=_size,
+                       help=f"{text}, bytes/s (default {fmt_bytes(value)}/s)")
+    g.add_argument("--cpu-adam-rate", type=float, default=defaults.cpu_adam_rate,
+                   help=f"host optimizer elements/s per node (default {defaults.cpu_adam_rate:g})")
+    p.add_argument("--top", type=int, default=10, help="rows to show (0: all; default 10)")
+    p.add_argument("--write-config", default=None, metavar="FILE",
+                   help="write the fastest configuration as a ds_config JSON")
+    return p
+
+
+def _size(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float(parse_size(text.removesuffix("/s")))
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = cluster_of(args)
+    spec, per_sample = model_of(args)
+    assumptions = Assumptions(gpu_flops=args.gpu_flops, mfu=args.mfu,
+                              intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+                              pcie_bw=args.pcie_bw, nvme_bw=args.nvme_bw,
+                              cpu_adam_rate=args.cpu_adam_rate)
+    base = settings_from_config(args.config, cluster.world_size, precision=args.precision,
+                                seq_len=args.seq_len)
+    global_batch = args.global_batch
+    if global_batch is None and args.config is not None:
+        global_batch = load_config(args.config).train_batch_size
+    result = _plan(Estimator(spec, per_sample), base, cluster, assumptions, global_batch,
+                   bool(args.activation_checkpointing))
+    print(result.format(args.top))
+    if args.write_config:
+        raw = _raw_config(args.config)
+        with open(args.write_config, "w") as f:
+            json.dump(result.best.ds_config(raw), f, indent=2)
+            f.write("\n")
+        print(f"wrote the fastest configuration to {args.write_config}")
+    return 0
+
+
+def _raw_config(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    load_config(path)  # validated already; re-read the JSON to keep the user's own keys
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,115 @@
+"""meshzero.plan: every configuration it lists fits and is ranked by the stated time model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from meshzero.cli import main
+from meshzero.config import load_config
+from meshzero.estimate import Cluster, estimate
+from meshzero.plan import Assumptions, communication_bytes, plan
+from tests.test_estimate import tiny_gpt
+
+SMALL = Cluster(nodes=1, gpus_per_node=4, gpu_memory="3MB", host_memory="1GB")
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return plan(tiny_gpt, cluster=SMALL, persistence_threshold=0)
+
+
+def test_every_candidate_fits_and_is_ranked(small_plan):
+    cands = small_plan.candidates
+    assert cands and small_plan.considered > len(cands)  # some did not fit
+    assert all(c.estimate.fits for c in cands)
+    assert all(c.estimate.gpu_bytes <= SMALL.gpu_memory for c in cands)
+    speeds = [c.tokens_per_s for c in cands]
+    assert speeds == sorted(speeds, reverse=True)
+    seen = {(c.estimate.settings.stage, c.estimate.settings.offload_optimizer,
+             c.estimate.settings.offload_param) for c in cands}
+    assert {(0, "none", "none"), (3, "nvme", "nvme"), (2, "cpu", "none")} <= seen
+    text = small_plan.format(5)
+    assert "--gpu-flops 312.00 TFLOP/s x --mfu 0.5" in text and "--pcie-bw 25.00 GB/s" in text
+    row = re.compile(r"\s*\d+\s+[0-3]\s+(none|cpu|nvme)")
+    rows = [line for line in text.splitlines() if row.match(line)]
+    assert len(rows) == 5
+
+
+def test_candidate_config_estimates_the_same(small_plan, tmp_path):
+    """The ds_config a candidate writes gives the same estimate and passes load_config."""
+    for cand in (small_plan.best, small_plan.candidates[-1]):
+        cfg = cand.ds_config(nvme_path=str(tmp_path))
+        load_config(cfg)
+        again = estimate(tiny_gpt, cluster=SMALL, config=cfg, persistence_threshold=0)
+        assert again.model_states == cand.estimate.model_states
+        assert again.gpu_bytes == cand.estimate.gpu_bytes
+
+
+def test_time_model():
+    """Communication per step: stage 0 and stages 1-2 2 psi (N-1)/N, stage 3 3 psi (N-1)/N
+    (fp32, no accumulation); compute from FLOPs counted on fake tensors."""
+    est = estimate(tiny_gpt, cluster=SMALL, stage=3, persistence_threshold=0)
+    from meshzero.estimate import Estimator, load_model, settings_from_config
+
+    estimator = Estimator(load_model(tiny_gpt))
+    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        s = settings_from_config(None, 4, stage=stage, persistence_threshold=0)
+        layout = estimator.states(s, 4).layout
+        psi = sum(g.padded_numel for g in layout.groups())
+        assert communication_bytes(layout, s) == pytest.approx(factor * psi * 4 * 3 / 4)
+    a = Assumptions(gpu_flops=1e12, mfu=0.5)
+    result = plan(tiny_gpt, cluster=SMALL, assumptions=a, stage=3, persistence_threshold=0)
+    for c in result.candidates:
+        assert c.compute_s == pytest.approx(c.estimate.flops_per_micro_batch / 0.5e12)
+        assert c.step_s == pytest.approx(max(c.compute_s, c.comm_s) + c.offload_s)
+        assert (c.offload_s > 0) == (c.estimate.settings.offload_optimizer != "none"
+                                     or c.estimate.settings.offload_param != "none")
+    assert est.flops_per_micro_batch > 0
+
+
+def test_global_batch():
+    result = plan(tiny_gpt, cluster=SMALL, global_batch=32, precision="bf16")
+    assert result.candidates
+    for c in result.candidates:
+        s = c.estimate.settings
+        assert s.micro_batch * s.grad_accum * 4 == 32 and s.precision == "bf16"
+    with pytest.raises(ValueError, match="not divisible by the 4 data-parallel ranks"):
+        plan(tiny_gpt, cluster=SMALL, global_batch=30)
+
+
+def test_too_big_for_any_config_is_a_value_error():
+    with pytest.raises(ValueError, match="no configuration fits .* per GPU"):
+        plan(tiny_gpt, cluster=Cluster(gpus_per_node=2, gpu_memory="100kB",
+                                       host_memory="10kB"))
+    with pytest.raises(ValueError, match="no configuration fits"):
+        plan(params="70B", largest_unit="1B", seq_len=4096,
+             cluster=Cluster(gpus_per_node=8, gpu_memory="80GB", host_memory="64GB"))
+
+
+def test_params_only_plan():
+    result = plan(params="7B", largest_unit="200M", seq_len=2048, activations_per_sample="2GB",
+                  cluster=Cluster(gpus_per_node=8), precision="bf16")
+    best = result.best.estimate
+    assert best.fits and best.settings.stage >= 1
+    # 6 * params * tokens without a model
+    assert result.best.compute_s == pytest.approx(
+        6 * 7e9 * best.settings.micro_batch * 2048 / (312e12 * 0.5))
+
+
+def test_cli(capsys, tmp_path):
+    out = tmp_path / "best.json"
+    assert main(["plan", "tests.test_estimate:tiny_gpt", "--gpus-per-node", "4",
+                 "--gpu-memory", "3MB", "--host-memory", "1GB", "--top", "3",
+                 "--mfu", "0.4", "--write-config", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "x --mfu 0.4" in text and f"wrote the fastest configuration to {out}" in text
+    cfg = json.loads(out.read_text())
+    load_config(cfg)
+    assert cfg["train_batch_size"] == 4 * cfg["train_micro_batch_size_per_gpu"]
+    assert main(["plan", "tests.test_estimate:tiny_gpt", "--nodes", "0"]) == 1
+    assert "at least one node with one GPU" in capsys.readouterr().err
+    assert main(["plan", "--params", "7B", "--largest-unit", "200M"]) == 1
+    assert "give --seq-len" in capsys.readouterr().err
