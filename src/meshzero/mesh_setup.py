@@ -12,6 +12,7 @@ data-parallel ranks of the same (pp, tp) coordinate. Gradient norms add the tp a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -37,6 +38,11 @@ def cut_model(model: nn.Module, config: Config, topology: Topology, device: torc
     """``(module this rank trains, Pipeline or None)`` after pipeline and tensor cuts."""
     pipe = None
     pp, tp = config.pipeline_parallel, config.tensor_parallel
+    plan = shipped_plan(tp.plan) if tp.size > 1 else None
+    if plan is not None and pp.size > 1:  # check the plan on the whole model, before the cut
+        from meshzero.parallel.plans import match_plan, parse_plan
+
+        match_plan(model, parse_plan(plan))
     if pp.size > 1:
         from meshzero.parallel.pipeline import PipelineLayout, build_pipeline
 
@@ -59,9 +65,29 @@ def cut_model(model: nn.Module, config: Config, topology: Topology, device: torc
     if tp.size > 1:
         from meshzero.parallel.tensor import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, tp.plan, topology.groups["tp"],
+        if pipe is not None:  # only the patterns of modules on this rank's stage(s)
+            names = [n for n, _ in model.named_modules()]
+            plan = {k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in names)}
+        model = apply_tensor_parallel(model, plan, topology.groups["tp"],
                                       sequence_parallel=tp.sequence_parallel)
+        if pipe is not None:  # tied tensors across stages are now the tp slices
+            for tied in pipe.tied_parameters:
+                tied.param = next(p for n, p in model.named_parameters(remove_duplicate=False)
+                                  if n in tied.names)
     return model, pipe
+
+
+def shipped_plan(plan: str | dict) -> dict:
+    """``tensor_parallel.plan``: a shipped plan's name, or the plan itself."""
+    if not isinstance(plan, str):
+        return plan
+    from meshzero.parallel import plans
+
+    shipped = {"gpt": plans.GPT_PLAN, "hf_gpt2": plans.GPT2_PLAN, "llama": plans.LLAMA_PLAN}
+    if plan not in shipped:
+        raise ValueError(f"tensor_parallel.plan = {plan!r} is not a shipped plan; valid: "
+                         f"{', '.join(shipped)}, or a {{module pattern: style}} mapping")
+    return shipped[plan]
 
 
 def norm_weights(module: nn.Module, topology: Topology, pipe) -> dict[int, float] | None:

@@ -209,10 +209,10 @@ class StageModule(nn.Module):
         last = layout.last if is_last else ()
         self.pruned_names = [*first, *layer_names, *last]
         prune_into(self, root, self.pruned_names)
-        # Plain lists (not registered again): the modules are registered through the tree.
-        self._first = [self.get_submodule(n) for n in first] if layout.first_fn is None else []
-        self._layers = [self.get_submodule(n) for n in layer_names]
-        self._last = [self.get_submodule(n) for n in last] if layout.last_fn is None else []
+        # Names, looked up at every forward: tensor parallelism may replace a module in place
+        self._first = list(first) if layout.first_fn is None else []
+        self._layers = list(layer_names)
+        self._last = list(last) if layout.last_fn is None else []
         self._first_fn = layout.first_fn if is_first else None
         self._last_fn = layout.last_fn if is_last else None
         self.layer_names = list(layer_names)
@@ -221,11 +221,13 @@ class StageModule(nn.Module):
         x: Any = inputs if len(inputs) > 1 else inputs[0]
         if self._first_fn is not None:
             x = self._first_fn(self, *inputs)
-        for module in (*self._first, *self._layers):
+        for name in (*self._first, *self._layers):
+            module = self.get_submodule(name)
             x = module(*x) if isinstance(x, tuple) else module(x)
         if self._last_fn is not None:
             return self._last_fn(self, x)
-        for module in self._last:
+        for name in self._last:
+            module = self.get_submodule(name)
             x = module(*x) if isinstance(x, tuple) else module(x)
         return x
 

@@ -1,0 +1,148 @@
+"""Tensor and pipeline parallelism through the engine (issue 7), composed with ZeRO on the
+dp axis: N optimizer steps equal one process training the same model on the same global
+batch (tests.models.reference_train, plain torch)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import meshzero
+from meshzero.demo.gpt import GPT, GPTConfig
+from meshzero.demo.gpt import loss_fn as gpt_loss
+from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT, gather_pipeline_state_dict
+from tests.distributed import run_distributed
+from tests.engine_runs import ADAM_EPS, zero_config
+from tests.models import Block, make_batches, mlp_loss, reference_train, split_for_rank
+
+STEPS = 3
+GLOBAL_BATCH = 8
+GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=4, n_embd=16)
+
+
+def _mlp_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 16), *(Block(16, 24) for _ in range(4)), nn.Linear(16, 5))
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG)
+
+
+def _gpt_batches() -> list:
+    gen = torch.Generator().manual_seed(1)
+    shape = (GLOBAL_BATCH, GPT_CFG.block_size)
+    return [(torch.randint(0, 32, shape, generator=gen), torch.randint(0, 32, shape,
+                                                                         generator=gen))
+            for _ in range(STEPS)]
+
+
+# kind -> (factory, loss, batches, pipeline layout, tensor-parallel plan)
+CASES = {
+    "mlp": (_mlp_chain, mlp_loss, lambda: make_batches("mlp", STEPS, GLOBAL_BATCH), None,
+            {"*.fc1": "colwise", "*.fc2": "rowwise"}),
+    "gpt": (_gpt, gpt_loss, _gpt_batches, DEMO_GPT_LAYOUT, "gpt"),
+}
+
+
+@functools.cache
+def _reference(kind: str, grad_accum: int):
+    factory, loss, batches, _, _ = CASES[kind]
+    return reference_train(factory, batches(), grad_accum=grad_accum, eps=ADAM_EPS,
+                           loss_fn=loss)
+
+
+def _run(rank: int, world_size: int, kind: str, stage: int, tp: int, pp: int,
+         schedule: str = "1f1b", grad_accum: int = 2) -> dict:
+    factory, loss, batches, layout, plan = CASES[kind]
+    batches = batches()
+    cfg = zero_config(stage, global_batch=GLOBAL_BATCH, grad_accum=grad_accum)
+    if tp > 1:
+        cfg["tensor_parallel"] = {"size": tp, "plan": plan}
+    if pp > 1:
+        cfg["pipeline_parallel"] = {"size": pp, "schedule": schedule}
+    dp = world_size // (tp * pp)
+    micro = GLOBAL_BATCH // (dp * grad_accum)
+    engine, *_ = meshzero.initialize(model=factory(), config=cfg, loss_fn=loss,
+                                     example_inputs=batches[0][0][:micro],
+                                     pipeline_layout=layout)
+    dp_rank = engine.topology.dp_rank
+    losses = []
+    for batch in batches:
+        micro_batches = [split_for_rank(batch, dp_rank, dp, grad_accum, m)
+                         for m in range(grad_accum)]
+        if pp > 1:
+            losses.append(engine.train_batch(iter(micro_batches)).item())
+            continue
+        total = 0.0
+        for x, y in micro_batches:
+            out = loss(engine(x), y)
+            engine.backward(out)
+            engine.step()
+            total += out.item() / grad_accum
+        losses.append(total)
+    params = _full_params(engine)
+    return {"losses": losses, "params": params, "memory": engine.memory_report(),
+            "held": engine.zero.held_numel()}
+
+
+def _full_params(engine) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters under the original names: ZeRO gathers dp shards, then the tp
+    and pp pieces are put together."""
+    from meshzero.parallel.tensor import gather_tensor_parallel_state_dict
+
+    state = engine.full_state_dict()
+    with torch.no_grad():  # the gathered fp32 values into the (tp/pp-local) module
+        for name, p in engine.module.named_parameters():
+            p.data = state[name].view(p.shape).to(p.dtype)
+    if engine.topology.tp_size > 1:
+        state = gather_tensor_parallel_state_dict(engine.module, engine.topology.groups["tp"])
+        if engine.pipeline is not None:  # put the stages' tp-gathered pieces together
+            parts = [None] * engine.topology.pp_size
+            dist.all_gather_object(parts, state, group=engine.topology.groups["pp"])
+            state = {k: v for part in parts for k, v in part.items()}
+    elif engine.pipeline is not None:
+        state = gather_pipeline_state_dict(engine.pipeline)
+    return {k: v.float() for k, v in state.items()}
+
+
+def _check(results: list[dict], kind: str, grad_accum: int = 2) -> None:
+    ref = _reference(kind, grad_accum)
+    for r in results:
+        for name, want in ref.params.items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("kind", "schedule"), [("mlp", "gpipe"), ("gpt", "1f1b")])
+def test_pp2(tmp_path, kind, schedule):
+    _check(run_distributed(_run, 2, tmp_path, kind, 0, 1, 2, schedule), kind)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pp2_dp2_with_zero(tmp_path, stage):
+    _check(run_distributed(_run, 4, tmp_path, "gpt", stage, 1, 2), "gpt")
+
+
+@pytest.mark.parametrize(("kind", "stage"), [("mlp", 0), ("gpt", 2)])
+def test_tp2(tmp_path, kind, stage):
+    _check(run_distributed(_run, 2, tmp_path, kind, stage, 2, 1), kind)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_dp2_with_zero(tmp_path, stage):
+    results = run_distributed(_run, 4, tmp_path, "gpt", stage, 2, 1)
+    _check(results, "gpt")
+
+
+def test_tp2_pp2(tmp_path):
+    _check(run_distributed(_run, 4, tmp_path, "gpt", 0, 2, 2), "gpt")
+
+
+def test_tp2_pp2_dp2_eight_ranks(tmp_path):
+    _check(run_distributed(_run, 8, tmp_path, "gpt", 1, 2, 2), "gpt")
