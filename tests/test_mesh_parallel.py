@@ -146,3 +146,53 @@ def test_tp2_pp2(tmp_path):
 
 def test_tp2_pp2_dp2_eight_ranks(tmp_path):
     _check(run_distributed(_run, 8, tmp_path, "gpt", 1, 2, 2), "gpt")
+
+
+def _profiled(rank: int, world_size: int, stage: int, tp: int, pp: int) -> dict:
+    """One profiled step of the MLP chain: what the report says and what we can count."""
+    factory, loss, batches, _, plan = CASES["mlp"]
+    cfg = zero_config(stage, global_batch=GLOBAL_BATCH, grad_accum=2,
+                      flops_profiler={"enabled": True, "profile_step": 0})
+    if tp > 1:
+        cfg["tensor_parallel"] = {"size": tp, "plan": plan}
+    if pp > 1:
+        cfg["pipeline_parallel"] = {"size": pp, "schedule": "gpipe"}
+    dp = world_size // (tp * pp)
+    micro = GLOBAL_BATCH // (dp * 2)
+    x, y = make_batches("mlp", 1, GLOBAL_BATCH)[0]
+    engine, *_ = meshzero.initialize(model=factory(), config=cfg, loss_fn=loss,
+                                     example_inputs=x[:micro])
+    parts = [split_for_rank((x, y), engine.topology.dp_rank, dp, 2, m) for m in range(2)]
+    if pp > 1:
+        engine.train_batch(iter(parts))
+    else:
+        for xm, ym in parts:
+            engine.backward(loss(engine(xm), ym))
+            engine.step()
+    linear = sum(m.weight.numel() for m in engine.module.modules()
+                 if isinstance(m, nn.Linear) or hasattr(m, "tp_layouts"))
+    report = engine.last_profile
+    return {"params_total": report.params_total, "params_per_rank": report.params_per_rank,
+            "held": engine.zero.held_numel(), "fwd": report.fwd_flops_per_rank,
+            "fwd_model": report.fwd_flops_model, "tokens_local": GLOBAL_BATCH // dp,
+            "linear": linear, "sizes": (report.data_parallel_size,
+                                        report.tensor_parallel_size,
+                                        report.pipeline_parallel_size),
+            "zero": report.zero_description}
+
+
+@pytest.mark.parametrize(("world", "stage", "tp", "pp"), [(4, 3, 2, 1), (2, 1, 1, 2)])
+def test_profiler_counts_what_each_rank_holds_and_computes(tmp_path, world, stage, tp, pp):
+    results = run_distributed(_profiled, world, tmp_path, stage, tp, pp)
+    psi = sum(p.numel() for p in _mlp_chain().parameters())
+    for r in results:
+        assert r["params_total"] == psi  # the model's, not this rank's piece
+        assert r["params_per_rank"] == r["held"]
+        assert r["sizes"] == (world // (tp * pp), tp, pp)
+        # forward FLOPs of this rank: 2 x its tokens x the Linear weights it holds
+        assert r["fwd"] == 2 * r["tokens_local"] * r["linear"]
+        assert r["fwd_model"] == sum(q["fwd"] for q in results)
+    # stage 3 over dp=2 of a tp=2 model: each rank holds about psi / (tp * 2)
+    if stage == 3:
+        assert all(psi / 4 <= r["held"] <= psi / 2 for r in results)
+        assert "split tp=2 x pp=1 ways" in results[0]["zero"]

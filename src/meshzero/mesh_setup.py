@@ -132,11 +132,29 @@ def train_batch(engine, data_iter: Iterator | None) -> torch.Tensor:
     engine.comm_stats.phase = "backward"  # forward and backward interleave in a schedule
     pipe.loss_scale = engine.loss_scaler.scale
     engine.zero.reducer.enabled = False  # grads accumulate in .grad over the micro-batches
+    hooks = _phase_hooks(engine, pipe)
     try:
         loss = pipe.step(inputs, targets, broadcast_loss=True)
     finally:
         engine.zero.reducer.enabled = True
+        for h in hooks:
+            h.remove()
     engine.zero.reducer.reduce_param_grads()
     engine.micro_steps += engine.grad_accum - 1
     engine.step()
     return loss
+
+
+def _phase_hooks(engine, pipe) -> list:
+    """Profiling a pipeline step: a stage's forward counts as forward, and what runs after
+    it until the next forward (its backward) as backward."""
+    if engine._profiler is None:
+        return []
+    counter = engine._profiler.counter
+    hooks = []
+    for stage in pipe.stages:
+        module = stage.submod
+        hooks.append(module.register_forward_pre_hook(
+            lambda *_: counter.set_phase("forward")))
+        hooks.append(module.register_forward_hook(lambda *_: counter.set_phase("backward")))
+    return hooks

@@ -29,11 +29,29 @@ _SHARDS = {0: "nothing (plain data parallelism)", 1: "optimizer states",
            2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
 
 
-def describe_zero(stage: int | None, dp: int) -> str:
+def describe_zero(stage: int | None, dp: int, shard: int | None = None, tp: int = 1,
+                  pp: int = 1) -> str:
     if stage is None:
         return "not used (a plain module)"
-    return (f"ZeRO-{stage} shards {_SHARDS[stage]} over {dp} data-parallel ranks: this is data "
-            "parallelism, not model parallelism")
+    shard = dp if shard is None else shard
+    where = (f"over {dp} data-parallel ranks" if shard == dp else
+             f"over blocks of {shard} of the {dp} data-parallel ranks, replicated across blocks")
+    model = ("this is data parallelism, not model parallelism" if tp == pp == 1 else
+             f"the model itself is split tp={tp} x pp={pp} ways before ZeRO shards each piece")
+    return f"ZeRO-{stage} shards {_SHARDS[stage]} {where}: {model}"
+
+
+def model_numel(engine) -> int:
+    """Parameters of the whole model: this rank's local ones, summed over the tp and pp
+    ranks with a tensor every tp rank holds, or two pp stages tie, counted once."""
+    weights = engine._norm_weights
+    local = sum(p.numel() * (1.0 if weights is None else weights[id(p)])
+                for p in engine.module.parameters())
+    total = torch.tensor([local], dtype=torch.float64, device=engine.device)
+    for comm in engine._mp_comms:
+        if comm.group is not None:
+            dist.all_reduce(total, group=comm.group)
+    return round(total.item())
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -137,9 +155,10 @@ class StepProfiler:
         return ProfileReport(
             world_size=e.topology.world_size, data_parallel_size=e.topology.dp_size,
             tensor_parallel_size=e.topology.tp_size, pipeline_parallel_size=e.topology.pp_size,
-            zero_stage=e.zero_stage, zero_description=describe_zero(e.zero_stage,
-                                                                    e.topology.dp_size),
-            params_total=e.zero.layout.numel, params_per_rank=e.zero.held_numel(),
+            zero_stage=e.zero_stage, zero_description=describe_zero(
+                e.zero_stage, e.topology.dp_size, e.comm.size, e.topology.tp_size,
+                e.topology.pp_size),
+            params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // _itemsize(e.compute_dtype),
             fwd_flops_per_rank=c.total("forward"), bwd_flops_per_rank=c.total("backward"),
             recompute_flops_per_rank=c.total("recompute"), step_flops_per_rank=c.total("step"),
