@@ -34,7 +34,7 @@ def broadcast_from_world_rank0(model: nn.Module, topology: Topology) -> None:
 
 def cut_model(model: nn.Module, config: Config, topology: Topology, device: torch.device, *,
               loss_fn: Callable | None, example_inputs: Any, pipeline_layout: Any,
-              micro_batches: int):
+              micro_batches: int, stats: CommStats):
     """``(module this rank trains, Pipeline or None)`` after pipeline and tensor cuts."""
     pipe = None
     pp, tp = config.pipeline_parallel, config.tensor_parallel
@@ -68,8 +68,15 @@ def cut_model(model: nn.Module, config: Config, topology: Topology, device: torc
         if pipe is not None:  # only the patterns of modules on this rank's stage(s)
             names = [n for n, _ in model.named_modules()]
             plan = {k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in names)}
+        tp_inter = topology.spans_nodes(topology.groups["tp"])
+
+        def on_comm(op: str, nbytes: int) -> None:  # tp collectives, into comm_report()
+            counted = stats.get("tp", op, tp_inter)
+            counted.count += 1
+            counted.bytes += nbytes
+
         model = apply_tensor_parallel(model, plan, topology.groups["tp"],
-                                      sequence_parallel=tp.sequence_parallel)
+                                      sequence_parallel=tp.sequence_parallel, on_comm=on_comm)
         if pipe is not None:  # tied tensors across stages are now the tp slices
             for tied in pipe.tied_parameters:
                 tied.param = next(p for n, p in model.named_parameters(remove_duplicate=False)
@@ -139,6 +146,7 @@ def train_batch(engine, data_iter: Iterator | None) -> torch.Tensor:
         engine.zero.reducer.enabled = True
         for h in hooks:
             h.remove()
+    _count_p2p(engine, pipe)
     engine.zero.reducer.reduce_param_grads()
     engine.micro_steps += engine.grad_accum - 1
     engine.step()
@@ -158,3 +166,29 @@ def _phase_hooks(engine, pipe) -> list:
             lambda *_: counter.set_phase("forward")))
         hooks.append(module.register_forward_hook(lambda *_: counter.set_phase("backward")))
     return hooks
+
+
+def _count_p2p(engine, pipe) -> None:
+    """The activations and their gradients this rank sent between pipeline stages: the
+    schedule's shapes are fixed, so the bytes are the stage shapes times the micro-batches."""
+    from meshzero.parallel.pipeline import V_SCHEDULES, stage_rank
+
+    topo = engine.topology
+    v = pipe.schedule_name in V_SCHEDULES
+
+    def send(stage: int, to_stage: int, tensors) -> None:
+        peer = stage_rank(to_stage, pipe.pp_size, v_shape=v)
+        if peer == pipe.pp_rank:
+            return
+        nbytes = pipe.micro_batches * sum(t.numel() * t.element_size() for t in tensors)
+        inter = topo.node_of(dist.get_global_rank(pipe.pp_group, peer)) != topo.node_of(
+            topo.rank)
+        counted = engine.comm_stats.get("pp", "send_recv", inter)
+        counted.count += pipe.micro_batches
+        counted.bytes += nbytes
+
+    for s, (inputs, outputs) in pipe.stage_shapes.items():
+        if s < pipe.num_stages - 1:
+            send(s, s + 1, outputs)  # forward activations
+        if s > 0:
+            send(s, s - 1, inputs)  # gradients of the inputs, in backward

@@ -169,6 +169,7 @@ class Pipeline:
         self.device = device
         self.tied_parameters = tied
         self.state_dict_keys = state_dict_keys
+        self.stage_shapes = stage_shapes  # (inputs, outputs) of each local stage, on meta
         self.loss_scale = 1.0  # the engine sets it: fp16 loss scale, 1 / accumulation steps
         self.has_first_stage = 0 in stage_modules
         self.has_last_stage = num_stages - 1 in stage_modules
