@@ -101,3 +101,24 @@ def test_hybrid_sharding_equals_single_process(tmp_path, stage):
         assert comm["all_reduce"]["inter_node_bytes"] > 0
         held = r["memory"]["grads"]["device"]
         assert psi * 4 // 2 <= held < psi * 4 // 2 + 64  # the grad shard is 1/2, not 1/4
+
+
+@pytest.mark.parametrize(("extra", "want"), [
+    ({"pipeline_parallel": {"size": 2}, "zero_optimization": {"stage": 3}},
+     "pipeline_parallel.size = 2 with zero_optimization.stage 3"),
+    ({"pipeline_parallel": {"size": 2, "schedule": "zigzag"}},
+     "pipeline_parallel.schedule = 'zigzag': Input should be 'gpipe', '1f1b'"),
+    ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size = 2 needs tensor_parallel.plan"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "unknown config key 'tensor_parallel.autotp_size'"),
+    ({"pipeline_parallel": {"size": 2, "micro_batches": 4}, "gradient_accumulation_steps": 2,
+      "train_batch_size": 8},
+     "pipeline_parallel.micro_batches (4) != gradient_accumulation_steps (2)"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}},
+     "zero_hpz_partition_size = 2 needs zero_optimization.stage 3"),
+])
+def test_bad_mesh_config(extra, want):
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 1}}
+    for key, value in extra.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        meshzero.load_config(cfg)
