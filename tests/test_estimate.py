@@ -25,7 +25,15 @@ import torch
 import meshzero
 from meshzero.cli import main
 from meshzero.demo.gpt import GPT, GPTConfig, loss_fn
-from meshzero.estimate import Cluster, Estimator, estimate, load_model, settings_from_config
+from meshzero.estimate import (
+    Cluster,
+    Estimator,
+    depth,
+    estimate,
+    load_model,
+    profile_activations,
+    settings_from_config,
+)
 from meshzero.estimate.activations import _LiveBytes
 from tests.distributed import run_distributed
 from tests.engine_runs import train, zero_config
@@ -137,6 +145,37 @@ def test_activations_on_fake_tensors_equal_a_real_run():
         assert fake.peak_bytes == counter.peak, precision
         assert fake.forward_order == (0, 1, 2, 3)
         assert fake.flops > 6 * spec.num_params * 3 * 16 * 0.5
+
+
+def test_deep_stack_counted_at_a_few_blocks_equals_the_whole_run(monkeypatch, tmp_path):
+    """A stack of identical blocks is run at 2, 3 and 4 blocks and extended: the same peak,
+    FLOPs and unit order as running every block (GPT; a Llama-style HF model, whose first
+    block differs, when transformers is installed)."""
+    specs = [load_model(functools.partial(GPT, GPTConfig(n_layer=6, n_embd=32, n_head=2,
+                                                         block_size=16)))]
+    try:
+        import transformers  # noqa: F401
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({
+            "model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64}))
+        specs.append(load_model(str(path)))
+    except ImportError:
+        pass
+    for spec in specs:
+        paths = [u.path for u in spec.layout(1, stage=0, persistence_threshold=0,
+                                              unit_classes=None).units]
+        for ckpt in (False, True) if spec.kind == "module" else (False,):
+            kw = {"micro_batch": 2, "seq_len": 16, "precision": "fp32",
+                  "checkpointing": ckpt, "unit_paths": paths}
+            cut = profile_activations(spec, **kw)
+            with monkeypatch.context() as m:
+                m.setattr(depth, "find_stack", lambda model: None)
+                whole = profile_activations(spec, **kw)
+            assert cut.depth is not None and whole.depth is None
+            assert (cut.peak_bytes, cut.flops, cut.forward_order) == (
+                whole.peak_bytes, whole.flops, whole.forward_order), (spec.name, ckpt)
 
 
 _RSS_PROBE = textwrap.dedent("""

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from meshzero.estimate.depth import extrapolate_depth
+from meshzero.estimate.depth import Counts, DepthProbe, extrapolate_depth
 from meshzero.estimate.model import ModelSpec
 from meshzero.profiling.flops import FORMULAS
 
@@ -58,6 +58,13 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.flops = 0
         self._refs: dict[int, weakref.ref] = {}
+        self.marks: list[tuple[object, int]] = []  # (label, peak of the segment it ends)
+        self._segment_peak = 0
+
+    def mark(self, label: object) -> None:
+        """End the current segment (its peak is recorded under ``label``), start the next."""
+        self.marks.append((label, self._segment_peak))
+        self._segment_peak = self.live
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -67,6 +74,7 @@ class _LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        self._segment_peak = max(self._segment_peak, self.live)
 
         def died(_ref, key=key, nbytes=nbytes) -> None:
             self.live -= nbytes
@@ -115,10 +123,10 @@ def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | Non
                 if p.requires_grad:  # the engine adds each grad into its flat buffer, then drops it
                     handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
 
-            def count() -> tuple[int, int, tuple[int, ...]]:
+            def count(probe: DepthProbe | None = None) -> Counts:
                 order.clear()
-                peak, flops = _count(spec, micro_batch, seq_len, DTYPES[precision])
-                return peak, flops, tuple(order)
+                counter = _count(spec, micro_batch, seq_len, DTYPES[precision], probe)
+                return Counts(counter.peak, counter.flops, tuple(order), counter.marks)
 
             peak, flops, forward_order, depth = extrapolate_depth(model, unit_paths, count)
     finally:
@@ -131,25 +139,30 @@ def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | Non
                              time.perf_counter() - start, depth)
 
 
-def _count(spec: ModelSpec, micro_batch: int, seq_len: int | None, dtype: torch.dtype
-           ) -> tuple[int, int]:
-    """(peak live bytes, FLOPs) of one forward/backward, inside the fake mode."""
+def _count(spec: ModelSpec, micro_batch: int, seq_len: int | None, dtype: torch.dtype,
+           probe: DepthProbe | None) -> _LiveBytes:
+    """The counter after one forward/backward, inside the fake mode; ``probe`` marks the
+    segments of a cut stack."""
     model = spec.model
     args, kwargs = _inputs(spec, micro_batch, seq_len, dtype)
     preexisting = {t.untyped_storage()._cdata for t in
                    [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0]]
                    if isinstance(t, torch.Tensor)}
     counter = _LiveBytes(preexisting)
+    if probe is not None:
+        probe.counter = counter
     try:
         with counter:
             loss = _loss(spec, model(*args, **kwargs), args, kwargs)
+            counter.mark("post")
             loss.backward()
+            counter.mark("end")
             del loss
     except RuntimeError as exc:
         raise ValueError(f"counting activations of {spec.name} failed: {exc}. A model "
                          "whose forward reads tensor values (.item(), data-dependent "
                          "shapes) cannot run on fake tensors") from None
-    return counter.peak, counter.flops
+    return counter
 
 
 def _drop_grad(p: torch.Tensor) -> None:
