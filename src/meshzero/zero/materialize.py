@@ -1,0 +1,313 @@
+"""Materialise a meta-device model unit by unit, drawing the values eager construction would.
+
+``ZeroModelState`` iterates ``materializer(layout)`` and builds a unit's flat groups as soon
+as its index is yielded; at stage 3 only this rank's shard of them stays, and the module's
+CPU tensors are freed when its parameters are re-pointed at the flat buffer. Peak memory is
+about the root unit's modules plus one unit plus the shards.
+
+Modules are visited in construction order (see construction.py), and for each one that
+directly holds meta tensors:
+
+    allocate    its own parameters and buffers on the CPU (recurse=False); a tied tensor
+                that another module created gets a scratch tensor here, as in eager
+                construction, where this module initialised a tensor of its own that the
+                tie then discarded (the random numbers are still drawn)
+    initialise  ``init_fn(module)`` or ``module.reset_parameters()``, with the CPU generator
+                in the state recorded at construction (rank 0's, broadcast), so the values
+                equal eager construction's on every rank and no broadcast of them is needed
+    check       every floating tensor it created was written (they start as NaN)
+    yield       every unit whose modules and parameters are now all real
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshzero.comm import Communicator
+from meshzero.zero.construction import (
+    ConstructionRecord,
+    build_from_factory,
+    find_record,
+    has_meta_tensors,
+    is_model_factory,
+)
+from meshzero.zero.units import Layout
+
+_KINDS = ("_parameters", "_buffers")
+_ARENA_ALIGN = 64  # bytes: every parameter carved from a unit's arena starts aligned
+
+
+@dataclass
+class _Work:
+    """One module that directly holds meta tensors: (kind, name, meta tensor) of each."""
+
+    path: str
+    module: nn.Module
+    unit: int
+    tensors: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path or '<root>'!r} ({type(self.module).__name__})"
+
+
+def _post_order(model: nn.Module) -> dict[int, int]:
+    """id(module) -> position in post-order (children first, in registration order): the
+    order eager constructors finish in when nothing else is known."""
+    order: dict[int, int] = {}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) not in order:
+                visit(child)
+        order.setdefault(id(module), len(order))
+
+    visit(model)
+    return order
+
+
+def _owning_unit(unit_index: dict[str, int], path: str) -> int:
+    """The deepest unit whose subtree contains the module at ``path``."""
+    while path not in unit_index:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return unit_index[path]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage span ``t`` covers with its strides (numel bytes if contiguous)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    """max() propagates NaN and, unlike isnan(), needs no temporary the size of ``t``
+    (freed temporaries of a few MiB fragment the heap between the long-lived shards)."""
+    return t.numel() > 0 and bool(t.detach().max().isnan())
+
+
+class Materializer:
+    """Iterate ``materializer(layout)``: unit indices in the order they become real."""
+
+    def __init__(self, model: nn.Module, record: ConstructionRecord | None, *,
+                 comm: Communicator, device: torch.device, src: int, restore_rng: bool):
+        self.model = model
+        self.record = record
+        self.init_fn = record.init_fn if record is not None else None
+        self.comm = comm
+        self.device = device
+        self.src = src
+        self.restore_rng = restore_rng
+        self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta): (meta, real)
+
+    # -- planning -------------------------------------------------------------------------
+    def _plan(self, layout: Layout) -> tuple[list[_Work], dict[int, int], list[int]]:
+        """Modules to materialise in construction order, the creator of every meta tensor,
+        and per unit the number of modules and parameters still to be made real."""
+        unit_index = {u.path: u.index for u in layout.units}
+        post = _post_order(self.model)
+        works: list[_Work] = []
+        self.holders: dict[int, list[tuple[nn.Module, str, str]]] = {}
+        for path, module in self.model.named_modules():
+            work = _Work(path, module, _owning_unit(unit_index, path))
+            for kind in _KINDS:
+                for name, t in getattr(module, kind).items():
+                    if t is not None and t.is_meta:
+                        work.tensors.append((kind, name, t))
+                        self.holders.setdefault(id(t), []).append((module, kind, name))
+            if work.tensors or self.init_fn is not None:  # init_fn sees every module
+                works.append(work)
+
+        def key(w: _Work) -> tuple[float, int]:
+            done = self.record.completion_index(w.module) if self.record is not None else None
+            return (math.inf if done is None else done, post[id(w.module)])
+
+        works.sort(key=key)
+        creator: dict[int, int] = {}
+        for w in works:  # the recorded creator if it holds the tensor, else its first holder
+            for _, _, t in w.tensors:
+                recorded = self.record.creator_of(t) if self.record is not None else None
+                holders = {id(m) for m, _, _ in self.holders[id(t)]}
+                creator.setdefault(id(t), recorded if recorded in holders else id(w.module))
+        pending = [0] * len(layout.units)
+        for w in works:
+            pending[w.unit] += 1
+        self.param_unit: dict[int, int] = {}
+        self.arena_bytes = [0] * len(layout.units)
+        self.arenas: dict[int, list] = {}  # unit -> [uint8 buffer, bytes used]
+        self.spare: list[torch.Tensor] = []  # arenas of built units, to be reused
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if p.is_meta and id(p) not in self.param_unit:
+                unit = layout.slots[name].unit
+                self.param_unit[id(p)] = unit
+                self.arena_bytes[unit] += _aligned(_span_bytes(p))
+                pending[unit] += 1
+        return works, creator, pending
+
+    # -- one module -------------------------------------------------------------------------
+    def _materialize(self, work: _Work, creator: dict[int, int]) -> list[torch.Tensor]:
+        """Allocate, initialise and check one module's own tensors; returns the metas it
+        created (now real in every module that holds them)."""
+        module = work.module
+        created = []
+        for kind, name, meta in work.tensors:
+            own = creator[id(meta)] == id(module)
+            if own and kind == "_parameters":
+                real = nn.Parameter(self._take(meta), requires_grad=meta.requires_grad)
+            else:  # buffers outlive their unit; scratch tensors die after the init
+                real = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype,
+                                           device="cpu")
+            if own:
+                created.append((kind, name, meta, real))
+                if real.is_floating_point():
+                    real.detach().fill_(math.nan)
+            getattr(module, kind)[name] = real  # scratch unless created here
+        with torch.no_grad():
+            self._run_init(work, bool(created))
+        unset = [name for _, name, _, real in created if real.is_floating_point()
+                 and _has_nan(real)]
+        if unset:
+            how = "init_fn" if self.init_fn is not None else "reset_parameters()"
+            raise ValueError(
+                f"{how} of module {work.label} left {unset} unset (or NaN) after "
+                "materialising it from the meta device; it must set every parameter and "
+                "buffer the module owns (recurse=False), or pass zero_init(init_fn=...)")
+        for kind, name, meta in work.tensors:  # scratch tensors go
+            if creator[id(meta)] != id(module):
+                getattr(module, kind)[name] = self.real_of(meta)
+        for kind, _, meta, real in created:
+            final = real if kind == "_parameters" else real.to(self.device)
+            self.replaced[id(meta)] = (meta, final)
+            for holder, hkind, hname in self.holders[id(meta)]:
+                getattr(holder, hkind)[hname] = final
+        return [meta for _, _, meta, _ in created]
+
+    def _take(self, meta: torch.Tensor) -> torch.Tensor:
+        """CPU memory for a parameter, carved from its unit's arena. An arena is reused by
+        a later unit once its unit's flat groups hold the values: transient tensors that are
+        allocated and freed unit after unit would leave holes in the heap between the
+        long-lived shards, and the process would grow by about a unit each time."""
+        unit = self.param_unit[id(meta)]
+        if unit not in self.arenas:
+            size = self.arena_bytes[unit]
+            fits = [a for a in self.spare if a.numel() >= size]
+            arena = min(fits, key=torch.Tensor.numel) if fits else torch.empty(
+                size, dtype=torch.uint8)
+            self.spare = [a for a in self.spare if a is not arena]
+            self.arenas[unit] = [arena, 0]
+        arena, offset = self.arenas[unit]
+        nbytes = _span_bytes(meta)
+        self.arenas[unit][1] = offset + _aligned(nbytes)
+        flat = arena[offset:offset + nbytes].view(meta.dtype)
+        return flat.as_strided(meta.shape, meta.stride())
+
+    def _run_init(self, work: _Work, has_own: bool) -> None:
+        if self.init_fn is not None:
+            self.init_fn(work.module)
+        elif callable(getattr(work.module, "reset_parameters", None)):
+            work.module.reset_parameters()
+        elif has_own:
+            names = [name for _, name, _ in work.tensors]
+            raise ValueError(
+                f"module {work.label} was built on the meta device and holds {names}, but has "
+                "no reset_parameters() to initialise them: give its class one, or build the "
+                "model in `with meshzero.zero_init(config, init_fn=f)`, where f(module) sets "
+                "one module's own parameters and buffers")
+
+    def real_of(self, meta: torch.Tensor) -> torch.Tensor:
+        entry = self.replaced.get(id(meta))
+        return entry[1] if entry is not None and entry[0] is meta else meta
+
+    # -- the unit stream ----------------------------------------------------------------------
+    def _shared_rng_state(self) -> torch.Tensor:
+        """The generator state construction started from, rank ``src``'s on every rank."""
+        state = (self.record.rng_state if self.record is not None else torch.get_rng_state())
+        if self.comm.size == 1:
+            return state.clone()
+        buf = state.to(self.device)
+        dist.broadcast(buf, src=self.src, group=self.comm.group)
+        return buf.cpu()
+
+    def __call__(self, layout: Layout) -> Iterator[int]:
+        works, creator, pending = self._plan(layout)
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self._shared_rng_state())
+        try:
+            yield from (u for u, n in enumerate(pending) if n == 0)
+            for work in works:
+                touched = [work.unit]
+                for meta in self._materialize(work, creator):
+                    if id(meta) in self.param_unit:
+                        touched.append(self.param_unit[id(meta)])
+                ready = set()
+                for u in touched:
+                    pending[u] -= 1
+                    if pending[u] == 0:
+                        ready.add(u)
+                for u in sorted(ready):
+                    yield u  # the caller copies the unit into its flat groups
+                    self._recycle(layout, u)
+        finally:
+            if self.restore_rng:
+                torch.set_rng_state(saved)
+        self._finish(pending)
+
+    def _recycle(self, layout: Layout, unit: int) -> None:
+        """Keep ``unit``'s arena for a later unit if no parameter uses it any more."""
+        if unit not in self.arenas:
+            return
+        arena = self.arenas.pop(unit)[0]
+        ptr = arena.untyped_storage().data_ptr()
+        names = [s.name for g in layout.units[unit].groups for s in g.slots]
+        if all(self.model.get_parameter(n).untyped_storage().data_ptr() != ptr for n in names):
+            self.spare.append(arena)
+
+    def _finish(self, pending: list[int]) -> None:
+        left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if t.is_meta]
+        assert not left and not any(pending), f"still on the meta device: {left}, {pending}"
+        self.spare.clear()
+        for module in self.model.modules():  # buffers that were real from the start
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[name] = buf.to(self.device)
+
+    def remap(self, optimizer: Any, model_parameters: Iterable[Any] | None
+              ) -> tuple[Any, list[Any] | None]:
+        """Replace meta parameters the caller still holds (``model_parameters`` lists or
+        groups, an optimizer built on the meta model) by their materialised tensors."""
+        if model_parameters is not None:
+            model_parameters = [
+                dict(g, params=[self.real_of(p) for p in g["params"]]) if isinstance(g, dict)
+                else self.real_of(g) for g in model_parameters]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:
+                group["params"] = [self.real_of(p) for p in group["params"]]
+        return optimizer, model_parameters
+
+
+def prepare_model(model: Any, config: Any, *, comm: Communicator, device: torch.device,
+                  src: int) -> tuple[nn.Module, Materializer | None]:
+    """The engine's module and, for a model on the meta device (built by a factory under
+    ``zero_init`` here, or by the user), the materializer ZeroModelState drives."""
+    if is_model_factory(model):
+        model = build_from_factory(model, config)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"initialize(model=...) needs an nn.Module or a zero-argument "
+                         f"callable that builds one, got {type(model).__name__}")
+    if not has_meta_tensors(model):
+        return model, None
+    return model, Materializer(model, find_record(model), comm=comm, device=device, src=src,
+                               restore_rng=config.seed is not None)
