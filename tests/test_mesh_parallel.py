@@ -12,34 +12,15 @@ import torch.distributed as dist
 from torch import nn
 
 import meshzero
-from meshzero.demo.gpt import GPT, GPTConfig
 from meshzero.demo.gpt import loss_fn as gpt_loss
 from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT, gather_pipeline_state_dict
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, zero_config
-from tests.models import Block, make_batches, mlp_loss, reference_train, split_for_rank
+from tests.models import make_batches, mlp_loss, reference_train, split_for_rank
+from tests.test_pipeline import _gpt, _gpt_batches, _mlp_chain
 
-STEPS = 3
-GLOBAL_BATCH = 8
-GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=4, n_embd=16)
-
-
-def _mlp_chain() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 16), *(Block(16, 24) for _ in range(4)), nn.Linear(16, 5))
-
-
-def _gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPT_CFG)
-
-
-def _gpt_batches() -> list:
-    gen = torch.Generator().manual_seed(1)
-    shape = (GLOBAL_BATCH, GPT_CFG.block_size)
-    return [(torch.randint(0, 32, shape, generator=gen), torch.randint(0, 32, shape,
-                                                                         generator=gen))
-            for _ in range(STEPS)]
+# the same models and data as tests/test_pipeline.py (GPT: 4 layers, 2 heads, tied head)
+STEPS, GLOBAL_BATCH = 3, 8
 
 
 # kind -> (factory, loss, batches, pipeline layout, tensor-parallel plan)
