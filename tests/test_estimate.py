@@ -279,6 +279,9 @@ def test_bad_input_is_a_clear_value_error(tmp_path):
         estimate(tiny_gpt, stage=2, offload_param="cpu")
     with pytest.raises(ValueError, match="sequence length"):
         estimate(functools.partial(build_model, "tricky"))
+    with pytest.raises(ValueError, match="data parallelism .* only, not pipeline_parallel"):
+        estimate(tiny_gpt, config={"train_micro_batch_size_per_gpu": 1,
+                                   "pipeline_parallel": {"size": 2}})
 
 
 def test_hugging_face_config(tmp_path):

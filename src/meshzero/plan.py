@@ -117,6 +117,8 @@ class Candidate:
         cfg["train_micro_batch_size_per_gpu"] = s.micro_batch
         cfg["gradient_accumulation_steps"] = s.grad_accum
         cfg["train_batch_size"] = s.micro_batch * s.grad_accum * c.world_size
+        if "optimizer" not in cfg:  # the estimate assumed AdamW (default hyperparameters)
+            cfg["optimizer"] = {"type": "AdamW", "params": {}}
         if s.precision != "fp32":
             cfg[s.precision] = {**cfg.get(s.precision, {}), "enabled": True}
         zero = dict(cfg.get("zero_optimization", {}))
@@ -135,8 +137,9 @@ class Candidate:
         return [str(index), str(s.stage), s.offload_optimizer, s.offload_param,
                 str(s.micro_batch), str(s.grad_accum),
                 "on" if s.activation_checkpointing else "off", fmt_bytes(e.gpu_bytes),
-                fmt_bytes(e.host_bytes_per_node), seconds(self.step_s),
-                seconds(self.compute_s), seconds(self.comm_s), seconds(self.offload_s),
+                fmt_bytes(e.host_bytes_per_node),
+                *(seconds(t) if t else "0" for t in (self.step_s, self.compute_s, self.comm_s,
+                                                     self.offload_s)),
                 si(self.tokens_per_s)]
 
 

@@ -27,7 +27,7 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def _row(label: str, values: list[str]) -> str:
-    return f"  {label:<52}" + "".join(f"{v:>12}" for v in values)
+    return (f"  {label:<52}" + "".join(f"{v:>12}" for v in values)).rstrip()
 
 
 def _one(label: str, value: int) -> str:
@@ -48,6 +48,8 @@ def format_estimate(e: Estimate) -> str:
              list(TIERS)),
     ]
     for category in e.model_states:
+        if category == "offload_buffers" and s.offload_optimizer != "nvme":
+            continue
         lines.append(_row(LABELS.get(category, category),
                           [fmt_bytes(e.model_states[category][t]) for t in TIERS]))
     lines.append(_row("= at rest (what engine.memory_report() reports)",

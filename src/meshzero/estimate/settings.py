@@ -160,6 +160,12 @@ def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str
 
 
 def _from_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    sizes = {key: getattr(getattr(cfg, key, None), "size", 1)
+             for key in ("tensor_parallel", "pipeline_parallel")}
+    if any(size > 1 for size in sizes.values()):
+        given = ", ".join(f"{k}.size = {v}" for k, v in sizes.items() if v > 1)
+        raise ValueError(f"the estimate models data parallelism (ZeRO) only, not {given}; "
+                         "estimate with both sizes 1")
     zc = cfg.zero_optimization
     values: dict[str, Any] = {
         "stage": zc.stage,
