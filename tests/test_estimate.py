@@ -35,6 +35,7 @@ from meshzero.estimate import (
     settings_from_config,
 )
 from meshzero.estimate.activations import _LiveBytes
+from meshzero.plan import communication_bytes
 from tests.distributed import run_distributed
 from tests.engine_runs import train, zero_config
 from tests.models import build_model
@@ -55,17 +56,19 @@ def _gpt_run(rank: int, world: int, config: dict, steps: int) -> dict:
                                                    TINY_GPT.block_size), generator=gen)
         engine.backward(loss_fn(engine(x), x))
         engine.step()
-    return engine.memory_report()
+    return engine.memory_report(), engine.comm_report()
 
 
-def _reports(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dict]:
-    """memory_report() after 2 steps of every (model kind, config), one engine after another."""
+def _reports(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[tuple[dict, dict]]:
+    """(memory_report(), comm_report()) after 2 steps of every (model kind, config), one
+    engine after another."""
     out = []
     for kind, config in runs:
         if kind == "gpt":
             out.append(_gpt_run(rank, world, config, 2))
         else:
-            out.append(train(rank, world, kind, config, 2).memory)
+            result = train(rank, world, kind, config, 2)
+            out.append((result.memory, result.comm))
     return out
 
 
@@ -105,17 +108,22 @@ def test_model_states_equal_memory_report(tmp_path, world_size):
                                         seq_len=6 if kind == "tricky" else None)
         states = estimators[kind].states(settings, world_size)
         for rank in range(world_size):
-            got = measured[rank][i]
+            got = measured[rank][i][0]
             want = states.report(rank)
             assert want == {k: got[k] for k in want}, (kind, config, rank)
         est = estimators[kind].estimate(settings, cluster, search_micro_batch=False)
         totals = [sum(sum(got[k].values()) for k in est.model_states) for got in
-                  (measured[r][i] for r in range(world_size))]
+                  (measured[r][i][0] for r in range(world_size))]
         assert sum(sum(v.values()) for v in est.model_states.values()) == max(totals)
         # the engine's peak of full buffers = resident (unsharded) ones + the gathered set
         resident = sum(g.padded_numel for g in states.layout.groups()
                        if settings.stage < 3 or g.persistent) * settings.compute_bytes
-        assert est.gathered + resident == measured[0][i]["gathered_params_peak"], (kind, config)
+        memory, comm = measured[0][i]
+        assert est.gathered + resident == memory["gathered_params_peak"], (kind, config)
+        # the planner's communication volume is what the engine sends
+        sent = sum(op["bytes"] for op in comm.values())
+        ops = sum(op["count"] for op in comm.values())
+        assert communication_bytes(states.layout, settings) == pytest.approx(sent, abs=ops)
 
 
 def test_activations_on_fake_tensors_equal_a_real_run():
