@@ -392,7 +392,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     defaults = Assumptions()
     g = p.add_argument_group("assumptions of the step-time model")
     g.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step (default: none; gradient accumulation 1)")
+                   help="samples per optimizer step (default: the config's train_batch_size, "
+                        "else none: gradient accumulation 1)")
     g.add_argument("--gpu-flops", type=float, default=defaults.gpu_flops,
                    help=f"peak FLOP/s per GPU (default {defaults.gpu_flops:g}, A100 bf16)")
     g.add_argument("--mfu", type=float, default=defaults.mfu,

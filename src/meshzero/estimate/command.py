@@ -51,7 +51,9 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
     g.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default: the model's context length)")
     g.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="count activations as if every unit (repeated block) were run under "
+                   help="also try every configuration with every unit (repeated block) run "
+                        "under torch.utils.checkpoint" if search else
+                        "count activations as if every unit (repeated block) were run under "
                         "torch.utils.checkpoint")
 
 
