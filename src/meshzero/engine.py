@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshzero import mesh_setup
 from meshzero.comm import CommStats, Communicator
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging
@@ -23,6 +24,7 @@ from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.schedulers import build_scheduler
 from meshzero.topology import Topology, build_topology, init_distributed
+from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import HOST, OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
 
@@ -67,25 +69,53 @@ class Engine(nn.Module):
         optimizer: torch.optim.Optimizer | type | Callable | None = None,
         model_parameters: Iterable[Any] | None = None,
         lr_scheduler: Callable | None = None,
+        loss_fn: Callable | None = None,
+        example_inputs: Any = None,
+        pipeline_layout: Any = None,
     ):
         super().__init__()
         setup_logging()
         self.config = config
         init_distributed()
-        self.topology: Topology = build_topology()
+        self.topology: Topology = build_topology(
+            config.tensor_parallel.size, config.pipeline_parallel.size,
+            config.topology.ranks_per_node)
+        if self.topology.world_size > 1 and self.topology.rank == 0:
+            logger.info("%s", self.topology.rank_map())
         dp = self.topology.dp_size
-        self.train_batch, self.micro_batch, self.grad_accum = config.resolve_batch(dp)
+        self.global_batch, self.micro_batch, self.grad_accum = config.resolve_batch(dp)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.comm_stats = CommStats()
         zc = config.zero_optimization
-        self.comm = Communicator(self.topology.dp_group, "dp", self.comm_stats,
-                                 async_ops=zc.overlap_comm)
+        self.dp_comm = Communicator(self.topology.dp_group, "dp", self.comm_stats,
+                                    async_ops=zc.overlap_comm,
+                                    inter_node=self.topology.spans_nodes(self.topology.dp_group))
+        # the ranks ZeRO shards over: all of dp, or (MiCS) a block of them, replicated across
+        self.comm, self.replica_comm = self._shard_comms(zc.mics_shard_size)
         self.device = self.topology.device
         self.compute_dtype = config.compute_dtype
-        model.to(self.device)
-        _broadcast_module(model, self.comm, src=self._dp_src())
+        # a factory or a meta-device model is materialised unit by unit by ZeroModelState
+        model, materializer = prepare_model(model, config, comm=self.dp_comm,
+                                            device=self.device, src=self._dp_src())
+        self.pipeline = None
+        if materializer is None:
+            model.to(self.device)
+            if self.topology.tp_size == 1 and self.topology.pp_size == 1:
+                _broadcast_module(model, self.dp_comm, src=self._dp_src())
+            else:  # tp/pp slice the model: all ranks must start from the same one
+                mesh_setup.broadcast_from_world_rank0(model, self.topology)
+                self._check_pipeline_batches()
+                model, self.pipeline = mesh_setup.cut_model(
+                    model, config, self.topology, self.device, loss_fn=loss_fn,
+                    example_inputs=example_inputs, pipeline_layout=pipeline_layout,
+                    micro_batches=self.grad_accum, stats=self.comm_stats)
+        elif self.topology.tp_size > 1 or self.topology.pp_size > 1:
+            raise ValueError("zero_init / a model factory with tensor_parallel or "
+                             "pipeline_parallel is not supported yet; build the model eagerly")
         self.module = model
+        self._mp_comms = mesh_setup.model_parallel_comms(self.topology, self.comm_stats)
+        self._norm_weights = mesh_setup.norm_weights(model, self.topology, self.pipeline)
         self.zero = ZeroModelState(model, self.comm, self.device, ZeroOptions(
             stage=zc.stage,
             compute_dtype=self.compute_dtype,
@@ -98,9 +128,12 @@ class Engine(nn.Module):
             max_live_numel=zc.stage3_max_live_parameters,
             max_reuse_distance=zc.stage3_max_reuse_distance,
             offload=OffloadOptions.from_config(zc),
-        ))
+        ), materialize=materializer, secondary_comm=self._hpz_comm(zc.zero_hpz_partition_size),
+            replica_comm=self.replica_comm)
         self._cast_buffers()
         offloaded = self.zero.offload.optimizer != "none"
+        if materializer is not None:  # meta parameters the caller passed -> the real ones
+            optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
         self.optimizer = build_optimizer(
             model=model, fragments=self.zero.optim_state.fragments,
             device=HOST if offloaded else self.device,
@@ -117,6 +150,43 @@ class Engine(nn.Module):
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
+
+    def _check_pipeline_batches(self) -> None:
+        pp = self.config.pipeline_parallel
+        if pp.size > 1 and pp.micro_batches is not None and pp.micro_batches != self.grad_accum:
+            raise ValueError(
+                f"pipeline_parallel.micro_batches ({pp.micro_batches}) != the gradient "
+                f"accumulation steps ({self.grad_accum}, from train_batch_size "
+                f"{self.global_batch} / micro batch {self.micro_batch} / dp "
+                f"{self.topology.dp_size}): the micro-batches of one pipeline step are its "
+                "accumulation steps")
+
+    def _check_checkpointable(self, what: str) -> None:
+        t = self.topology
+        if t.tp_size > 1 or t.pp_size > 1 or self.replica_comm is not None:
+            raise ValueError(
+                f"{what} does not support tensor_parallel.size {t.tp_size}, pipeline_parallel"
+                f".size {t.pp_size} or zero_optimization.mics_shard_size yet: its files hold "
+                "data-parallel shards of one model replica; use full_state_dict() per rank")
+
+    def _shard_comms(self, mics: int) -> tuple[Communicator, Communicator | None]:
+        """MiCS / hybrid sharding: shard over blocks of ``mics`` dp ranks, all-reduce the
+        gradient shards across the blocks."""
+        if mics in (-1, 0, 1) or mics == self.dp_comm.size:
+            return self.dp_comm, None
+        block, across = self.topology.dp_subgroups(mics)
+        make = lambda g, name: Communicator(  # noqa: E731
+            g, name, self.comm_stats, async_ops=self.dp_comm.async_ops,
+            inter_node=self.topology.spans_nodes(g))
+        return make(block, "dp_shard"), make(across, "dp_replica")
+
+    def _hpz_comm(self, k: int) -> Communicator | None:
+        """ZeRO++ hpZ: the communicator over this rank's block of k data-parallel ranks."""
+        if k <= 1:
+            return None
+        block, _ = self.topology.dp_subgroups(k)
+        return Communicator(block, "dp_hpz", self.comm_stats, async_ops=self.comm.async_ops,
+                            inter_node=self.topology.spans_nodes(block))
 
     def _dp_src(self) -> int:
         group = self.topology.dp_group
@@ -150,7 +220,7 @@ class Engine(nn.Module):
         return (self.micro_steps + 1) % self.grad_accum == 0
 
     def train_batch_size(self) -> int:
-        return self.train_batch
+        return self.global_batch
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.micro_batch
@@ -170,16 +240,30 @@ class Engine(nn.Module):
         return self.config.zero_optimization.stage
 
     # -- training --------------------------------------------------------------------------------
+    def _open_window(self, args: tuple = (), kwargs: dict | None = None) -> None:
+        """The first training micro-step of an optimizer step opens a new accounting window."""
+        if self._window_open:
+            return
+        self._window_open = True
+        self.comm_stats.reset()
+        self.zero.memory.reset_peak()
+        fcfg = self.config.flops_profiler
+        if fcfg.enabled and self.global_steps == fcfg.profile_step:
+            self._profiler = StepProfiler(self, fcfg.profile_step)
+            self._profiler.start(args, kwargs or {})
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Pipeline parallelism: one optimizer step over ``micro_batches`` micro-batches of
+        ``(inputs, targets)`` from ``data_iter``; returns the mean loss on every rank."""
+        return mesh_setup.train_batch(self, data_iter)
+
     def forward(self, *args, **kwargs):
-        # the first training micro-step of an optimizer step opens a new accounting window
-        if torch.is_grad_enabled() and not self._window_open:
-            self._window_open = True
-            self.comm_stats.reset()
-            self.zero.memory.reset_peak()
-            fcfg = self.config.flops_profiler
-            if fcfg.enabled and self.global_steps == fcfg.profile_step:
-                self._profiler = StepProfiler(self, fcfg.profile_step)
-                self._profiler.start(args, kwargs)
+        if self.pipeline is not None:
+            raise ValueError("with pipeline_parallel.size > 1 train with engine.train_batch("
+                             "data_iter); the model is split across ranks")
+        if torch.is_grad_enabled():
+            self._open_window(args, kwargs)
+        self.comm_stats.phase = "forward"
         if self._profiler is not None:
             self._profiler.counter.set_phase("forward")
         t0 = time.perf_counter()
@@ -194,12 +278,13 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         t0 = time.perf_counter()
+        self.comm_stats.phase = "backward"
         if self._profiler is not None:
             self._profiler.counter.set_phase("backward")
         step_scale = None
         if (self.zero.offload.optimizer == "cpu" and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled):
-            step_scale = 1.0 / self.comm.size  # nothing global to wait for: step per unit
+            step_scale = 1.0 / self.dp_comm.size  # nothing global to wait for: step per unit
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
@@ -215,6 +300,7 @@ class Engine(nn.Module):
             self.micro_steps += 1
             return
         t0 = time.perf_counter()
+        self.comm_stats.phase = "step"
         if self._profiler is not None:
             self._profiler.counter.set_phase("step")
         clip = self.config.gradient_clipping
@@ -224,13 +310,14 @@ class Engine(nn.Module):
             self._finish_step(overflow=False, t0=t0)
             return
         sq_norm, overflow = state.reduce_grad_stats(
-            need_norm=clip > 0, need_overflow=self.config.fp16.enabled, nvme=self.zero.nvme)
+            need_norm=clip > 0, need_overflow=self.config.fp16.enabled, nvme=self.zero.nvme,
+            model_parallel=self._mp_comms, replicated_weight=self._norm_weights)
         if overflow:
             self.skipped_steps += 1
             logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
                         self.global_steps, self.loss_scaler.scale)
         else:
-            inv = 1.0 / (self.comm.size * self.loss_scaler.scale)
+            inv = 1.0 / (self.dp_comm.size * self.loss_scaler.scale)
             coef = 1.0
             if clip > 0:
                 norm = math.sqrt(sq_norm) * inv
@@ -294,6 +381,7 @@ class Engine(nn.Module):
         ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
         from meshzero import checkpoint
 
+        self._check_checkpointable("save_checkpoint")
         with self.zero.materialized():
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
@@ -304,6 +392,7 @@ class Engine(nn.Module):
         Returns ``(path, client_state)``, or ``(None, None)`` if there is no ``latest``."""
         from meshzero import checkpoint
 
+        self._check_checkpointable("load_checkpoint")
         with self.zero.materialized(write_back=True):
             return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                               load_lr_scheduler_states)
@@ -313,6 +402,7 @@ class Engine(nn.Module):
         """The full model in the compute dtype as safetensors; collective, rank 0 writes."""
         from meshzero import checkpoint
 
+        self._check_checkpointable("save_16bit_model")
         with self.zero.materialized():
             return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
@@ -321,25 +411,37 @@ class Engine(nn.Module):
         fragments; collective. Pickle files are refused."""
         from meshzero import checkpoint
 
+        self._check_checkpointable("load_weights")
         with self.zero.materialized(write_back=True):
             checkpoint.load_weights(self, path)
 
 
 def initialize(
     args: Any = None,
-    model: nn.Module | None = None,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
     optimizer: torch.optim.Optimizer | type | Callable | None = None,
     model_parameters: Iterable[Any] | None = None,
     training_data: Any = None,
     lr_scheduler: Callable | None = None,
     config: Config | dict | str | os.PathLike | None = None,
     config_params: Config | dict | str | os.PathLike | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    example_inputs: Any = None,
+    pipeline_layout: Any = None,
 ) -> tuple[Engine, torch.optim.Optimizer, None, Any]:
     """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
     The config is a ds_config dict, a path to a JSON file, or a :class:`Config`; every key is
     validated before any work starts. Initialises the process group from torchrun's
-    environment if needed (a world of one without torchrun).
+    environment if needed (a world of one without torchrun). ``model`` may be a zero-argument
+    callable: it is then built on the meta device and materialised unit by unit, as under
+    :func:`meshzero.zero_init`.
+
+    With ``pipeline_parallel.size > 1``: ``loss_fn(output, target)`` (run on the last stage),
+    ``example_inputs`` (one micro-batch of the model's inputs) and optionally
+    ``pipeline_layout`` (a :class:`meshzero.parallel.pipeline.PipelineLayout`, for models
+    whose first stage is more than running modules in order) are required/used.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
@@ -355,5 +457,6 @@ def initialize(
         raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
     cfg = load_config(config)
     engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler)
+                    lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
+                    pipeline_layout=pipeline_layout)
     return engine, engine.optimizer, None, engine.lr_scheduler
