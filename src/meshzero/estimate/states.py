@@ -98,8 +98,9 @@ class ModelStates:
         return out
 
     def largest_rank(self) -> tuple[int, Report]:
-        """The rank holding the most bytes. Ranks differ only in optimizer states (real
-        elements left after padding, and fragment counts), computed for all ranks at once."""
+        """The rank holding the most bytes. Ranks differ in optimizer states (real elements
+        left after padding, and fragment counts), computed for all ranks at once, and with
+        NVMe offload slightly in tile buffers, which do not take part in the choice."""
         s = self.settings
         per_rank = torch.zeros(self.world_size, dtype=torch.int64)
         ranks = torch.arange(self.world_size, dtype=torch.int64)
