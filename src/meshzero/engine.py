@@ -144,6 +144,9 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # host-tier offload: step each unit during backward when nothing global is needed
+        # first (False: always in step(); the benchmark's serial baseline)
+        self.overlap_offload_step = True
         self._window_open = False
         self._last_comm: dict = {}
         self._last_peak = self.zero.memory.peak
@@ -282,8 +285,8 @@ class Engine(nn.Module):
         if self._profiler is not None:
             self._profiler.counter.set_phase("backward")
         step_scale = None
-        if (self.zero.offload.optimizer == "cpu" and self.config.gradient_clipping == 0
-                and not self.config.fp16.enabled):
+        if (self.overlap_offload_step and self.zero.offload.optimizer == "cpu"
+                and self.config.gradient_clipping == 0 and not self.config.fp16.enabled):
             step_scale = 1.0 / self.dp_comm.size  # nothing global to wait for: step per unit
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
