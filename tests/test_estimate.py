@@ -287,9 +287,9 @@ def test_bad_input_is_a_clear_value_error(tmp_path):
         estimate(tiny_gpt, stage=2, offload_param="cpu")
     with pytest.raises(ValueError, match="sequence length"):
         estimate(functools.partial(build_model, "tricky"))
-    with pytest.raises(ValueError, match="data parallelism .* only, not pipeline_parallel"):
+    with pytest.raises(ValueError, match="world size 8 is not divisible by .* pipeline .* 3"):
         estimate(tiny_gpt, config={"train_micro_batch_size_per_gpu": 1,
-                                   "pipeline_parallel": {"size": 2}})
+                                   "pipeline_parallel": {"size": 3}})
 
 
 def test_hugging_face_config(tmp_path):

@@ -214,7 +214,7 @@ def _inputs(spec: ModelSpec, micro_batch: int, seq_len: int | None, dtype: torch
         if isinstance(got, dict):
             return (), got
         return (got if isinstance(got, tuple) else (got,)), {}
-    first = _first_leaf_with_params(spec.model)
+    first = _first_leaf_with_params(spec.input_model or spec.model)
     if isinstance(first, nn.Embedding):
         if seq_len is None:
             raise ValueError(f"{spec.name} takes token ids: give a sequence length (--seq-len)")

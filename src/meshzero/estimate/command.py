@@ -4,6 +4,7 @@ cluster and config arguments are shared with ``meshzero plan``."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 from meshzero.estimate.core import Estimator
@@ -50,6 +51,20 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                    help="compute dtype (default: the config's, else fp32)")
     g.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default: the model's context length)")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor parallel size (default: the config's tensor_parallel.size, else 1)")
+    g.add_argument("--tp-plan", default=None,
+                   help="tensor parallel plan: gpt, hf_gpt2 or llama (default: the config's)")
+    g.add_argument("--pp", type=int, default=None,
+                   help="pipeline parallel size (default: the config's, else 1)")
+    g.add_argument("--pp-schedule", default=None,
+                   help="pipeline schedule: gpipe, 1f1b, ... (default: the config's, else 1f1b)")
+    g.add_argument("--pp-micro-batches", type=int, default=None,
+                   help="micro-batches per pipeline step (default: the config's, else the "
+                        "gradient accumulation steps)")
+    g.add_argument("--pipeline-layout", default=None, metavar="PKG.MOD:NAME",
+                   help="a PipelineLayout object (as initialize(pipeline_layout=...)); default: "
+                        "the config's pipeline_parallel layers/first/last")
     g.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="also try every configuration with every unit (repeated block) run "
                         "under torch.utils.checkpoint" if search else
@@ -60,6 +75,22 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
 def cluster_of(args: argparse.Namespace) -> Cluster:
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    gpu_memory=args.gpu_memory, host_memory=args.host_memory)
+
+
+def mesh_of(args: argparse.Namespace) -> dict:
+    """The tp/pp flags as settings overrides (None: the config's)."""
+    return {"tp": args.tp, "tp_plan": args.tp_plan, "pp": args.pp,
+            "pp_schedule": args.pp_schedule, "pp_micro_batches": args.pp_micro_batches}
+
+
+def pipeline_layout_arg(args: argparse.Namespace) -> object | None:
+    if args.pipeline_layout is None:
+        return None
+    module_name, _, attr = args.pipeline_layout.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--pipeline-layout {args.pipeline_layout!r}: {exc}") from None
 
 
 def model_of(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
@@ -93,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
         args.config, cluster.world_size, stage=args.stage, precision=args.precision,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         micro_batch=args.micro_batch, seq_len=args.seq_len,
-        activation_checkpointing=args.activation_checkpointing)
-    est = Estimator(spec, per_sample).estimate(settings, cluster)
+        activation_checkpointing=args.activation_checkpointing, **mesh_of(args))
+    est = Estimator(spec, per_sample, pipeline_layout_arg(args)).estimate(settings, cluster)
     print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else est)
     return 0
 

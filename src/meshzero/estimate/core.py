@@ -13,10 +13,20 @@ from torch import nn
 
 from meshzero.config import Config
 from meshzero.estimate.activations import ActivationProfile, profile_activations
+from meshzero.estimate.mesh import (
+    RankModule,
+    fake_tp_group,
+    mesh_note,
+    pipeline_layout_of,
+    profile_rank,
+    rank_modules,
+    stage_inputs,
+)
 from meshzero.estimate.model import InputsFn, ModelSpec, load_model
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
 from meshzero.estimate.states import ModelStates, Report, total_bytes
 from meshzero.weights_io import parse_size
+from meshzero.zero.units import Layout, build_layout
 
 MAX_MICRO_BATCH = 1 << 20
 
@@ -81,33 +91,112 @@ class Estimate:
 
 class Estimator:
     """One model: layouts and activation profiles are cached, so many settings and clusters
-    (the planner's search) cost little more than one."""
+    (the planner's search) cost little more than one. ``pipeline_layout``: what
+    ``initialize(pipeline_layout=...)`` gets (default: the config's, see estimate/mesh.py)."""
 
-    def __init__(self, spec: ModelSpec, activations_per_sample: int | None = None):
+    def __init__(self, spec: ModelSpec, activations_per_sample: int | None = None,
+                 pipeline_layout: Any = None):
         self.spec = spec
         self.activations_per_sample = activations_per_sample
-        self._profiles: dict[tuple, ActivationProfile] = {}
+        self.pipeline_layout = pipeline_layout
+        self._profiles: dict[tuple, list[ActivationProfile]] = {}
+        self._mesh_layouts: dict[tuple, list[Layout]] = {}
+
+    @staticmethod
+    def _mesh_key(s: Settings) -> tuple:
+        return (s.tp, repr(s.tp_plan), s.sequence_parallel, s.pp, s.pp_schedule, s.pp_layers,
+                s.pp_first, s.pp_last, s.pp_stages_per_rank, s.pp_boundaries)
+
+    def _mesh(self, s: Settings, group: Any) -> list[RankModule]:
+        if s.pp > 1 and not self.spec.runnable:
+            raise ValueError("a pipeline estimate needs a model to cut into stages, not a bare "
+                             "parameter count")
+        return rank_modules(self.spec, s, pipeline_layout_of(self.spec, s, self.pipeline_layout),
+                            group)
+
+    def rank_states(self, settings: Settings, world_size: int) -> list[ModelStates]:
+        """Model states of every pp rank (tp rank 0), each over its dp = world / (tp * pp)
+        ZeRO ranks; one entry without a pipeline."""
+        dp = settings.dp_size(world_size)
+        if settings.model_parallel == 1:
+            return [ModelStates(self.spec.layout(
+                dp, stage=settings.stage, persistence_threshold=settings.persistence_threshold,
+                unit_classes=settings.unit_classes), settings)]
+        persistence = settings.persistence_threshold if settings.stage == 3 else None
+        key = (self._mesh_key(settings), dp, persistence, settings.unit_classes)
+        if key not in self._mesh_layouts:
+            classes = list(settings.unit_classes) if settings.unit_classes is not None else None
+            with fake_tp_group(settings.tp) as group:
+                self._mesh_layouts[key] = [
+                    build_layout(r.module, num_shards=dp, unit_classes=classes,
+                                 persistence_threshold=persistence)
+                    for r in self._mesh(settings, group)]
+        return [ModelStates(layout, settings) for layout in self._mesh_layouts[key]]
+
+    def largest(self, settings: Settings, world_size: int) -> tuple[int, ModelStates]:
+        """(pp rank, its model states) of the pp rank whose busiest dp rank holds the most."""
+        per_rank = self.rank_states(settings, world_size)
+        totals = [total_bytes(st.largest_rank()[1]) for st in per_rank]
+        pp_rank = totals.index(max(totals))
+        return pp_rank, per_rank[pp_rank]
 
     def states(self, settings: Settings, world_size: int) -> ModelStates:
-        layout = self.spec.layout(world_size, stage=settings.stage,
-                                  persistence_threshold=settings.persistence_threshold,
-                                  unit_classes=settings.unit_classes)
-        return ModelStates(layout, settings)
+        """The model states of the pp rank holding the most (the only one without pp)."""
+        return self.largest(settings, world_size)[1]
 
-    def profile(self, settings: Settings, micro_batch: int) -> ActivationProfile | None:
-        """Activations and FLOPs of one micro-step (None without a model to run)."""
+    def rank_profiles(self, settings: Settings, micro_batch: int
+                      ) -> list[ActivationProfile] | None:
+        """Activations and FLOPs of one micro-step on every pp rank (None without a model)."""
         if not self.spec.runnable:
             return None
-        seq_len = settings.seq_len
-        key = (micro_batch, seq_len, settings.precision, settings.activation_checkpointing,
-               settings.unit_classes)
-        if key not in self._profiles:
-            paths = [u.path for u in self.states(settings, 1).layout.units]
-            self._profiles[key] = profile_activations(
-                self.spec, micro_batch=micro_batch, seq_len=seq_len,
-                precision=settings.precision,
-                checkpointing=settings.activation_checkpointing, unit_paths=paths)
-        return self._profiles[key]
+        s = settings
+        key = (micro_batch, s.seq_len, s.precision, s.activation_checkpointing, s.unit_classes,
+               self._mesh_key(s))
+        if key in self._profiles:
+            return self._profiles[key]
+        classes = list(s.unit_classes) if s.unit_classes is not None else None
+        if s.model_parallel == 1:
+            paths = [u.path for u in self.rank_states(s, 1)[0].layout.units]
+            out = [profile_activations(self.spec, micro_batch=micro_batch, seq_len=s.seq_len,
+                                       precision=s.precision,
+                                       checkpointing=s.activation_checkpointing,
+                                       unit_paths=paths)]
+        else:
+            with fake_tp_group(s.tp) as group:
+                ranks = self._mesh(s, group)
+                if s.pp > 1:
+                    layout = pipeline_layout_of(self.spec, s, self.pipeline_layout)
+                    args, outputs = stage_inputs(self.spec, s, layout, micro_batch, s.seq_len)
+                out = []
+                for r in ranks:
+                    paths = [u.path for u in build_layout(r.module, num_shards=1,
+                                                          unit_classes=classes).units]
+                    if s.pp > 1:
+                        out.append(profile_rank(self.spec, r, s, micro_batch=micro_batch,
+                                                seq_len=s.seq_len, args=args, outputs=outputs,
+                                                unit_paths=paths))
+                        continue
+                    local = dataclasses.replace(self.spec, model=r.module,
+                                                input_model=self.spec.model, _layouts={})
+                    out.append(profile_activations(
+                        local, micro_batch=micro_batch, seq_len=s.seq_len,
+                        precision=s.precision, checkpointing=s.activation_checkpointing,
+                        unit_paths=paths))
+        self._profiles[key] = out
+        return out
+
+    def profile(self, settings: Settings, micro_batch: int, pp_rank: int = 0
+                ) -> ActivationProfile | None:
+        """One micro-step: the largest activations and FLOPs over the pp ranks, with the unit
+        order of ``pp_rank`` (None without a model to run)."""
+        profiles = self.rank_profiles(settings, micro_batch)
+        if profiles is None:
+            return None
+        if len(profiles) == 1:
+            return profiles[0]
+        return dataclasses.replace(
+            profiles[pp_rank], peak_bytes=max(p.peak_bytes for p in profiles),
+            flops=max(p.flops for p in profiles), seconds=sum(p.seconds for p in profiles))
 
     def activation_bytes(self, settings: Settings, micro_batch: int) -> int | None:
         profile = self.profile(settings, micro_batch)
@@ -121,9 +210,11 @@ class Estimator:
                  search_micro_batch: bool = True) -> Estimate:
         if settings.seq_len is None and self.spec.default_seq_len is not None:
             settings = dataclasses.replace(settings, seq_len=self.spec.default_seq_len)
-        states = self.states(settings, cluster.world_size)
-        rank, report = states.largest_rank()
-        profile = self.profile(settings, settings.micro_batch)
+        pp_rank, states = self.largest(settings, cluster.world_size)
+        dp_rank, report = states.largest_rank()
+        dp = states.world_size
+        rank = pp_rank * dp * settings.tp + dp_rank * settings.tp  # tp innermost, pp outermost
+        profile = self.profile(settings, settings.micro_batch, pp_rank)
         reduce, allgather = states.bucket_bytes()
         layout = states.layout
         est = Estimate(
@@ -135,6 +226,8 @@ class Estimator:
             param_read_buffers=states.param_read_bytes(),
             activations=self.activation_bytes(settings, settings.micro_batch),
             flops_per_micro_batch=profile.flops if profile else None)
+        if settings.model_parallel > 1:
+            est.notes.append(mesh_note(settings, dp, pp_rank, dp_rank))
         if profile is not None and profile.depth:
             est.notes.append(f"activations and FLOPs: {profile.depth}")
         if est.activations is None:
@@ -196,6 +289,7 @@ def estimate(
     config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
     inputs: InputsFn | str | None = None,
     activations_per_sample: int | str | None = None,
+    pipeline_layout: Any = None,
     **settings: Any,
 ) -> Estimate:
     """Memory per GPU and per node of training ``model`` on ``cluster``.
@@ -205,11 +299,13 @@ def estimate(
     ``config``: a ds_config (dict, path or Config); keyword ``settings`` (stage, precision,
     offload_optimizer, offload_param, micro_batch, seq_len, activation_checkpointing, and any
     other :class:`Settings` field) override it. ``inputs(micro_batch, seq_len)`` builds the
-    forward arguments when they cannot be guessed.
+    forward arguments when they cannot be guessed. Tensor/pipeline parallelism: the config's
+    ``tensor_parallel`` / ``pipeline_parallel`` blocks or the settings ``tp``, ``tp_plan``,
+    ``pp``, ``pp_schedule``, ``pp_micro_batches``...; ``pipeline_layout`` as ``initialize``.
     """
     cluster = cluster if cluster is not None else Cluster()
     spec = load_model(model, params=params, largest_unit=largest_unit, inputs=inputs)
     per_sample = (parse_size(activations_per_sample) if activations_per_sample is not None
                   else None)
     resolved = settings_from_config(config, cluster.world_size, **settings)
-    return Estimator(spec, per_sample).estimate(resolved, cluster)
+    return Estimator(spec, per_sample, pipeline_layout).estimate(resolved, cluster)

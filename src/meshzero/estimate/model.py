@@ -47,6 +47,8 @@ class ModelSpec:
     kind: str  # "module", "hf" or "params"
     inputs: InputsFn | None = None
     default_seq_len: int | None = None
+    input_model: nn.Module | None = None  # what decides the inputs, if not ``model`` (a
+    # tensor/pipeline-parallel cut of it takes the whole model's inputs)
     _layouts: dict[tuple, Layout] = field(default_factory=dict, repr=False)
 
     @property

@@ -73,9 +73,21 @@ class Settings:
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     unit_classes: tuple[str, ...] | None = field(default=None)
+    # the mesh (dp = world / (tp * pp)); see estimate/mesh.py
+    tp: int = 1
+    tp_plan: Any = field(default=None, hash=False)  # a shipped plan's name or {pattern: style}
+    sequence_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_micro_batches: int | None = None  # None: grad_accum (the engine requires them equal)
+    pp_layers: str = ""
+    pp_first: tuple[str, ...] = ()
+    pp_last: tuple[str, ...] = ()
+    pp_stages_per_rank: int | None = None
+    pp_boundaries: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self._mesh_problems()
         if self.stage not in (0, 1, 2, 3):
             problems.append(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.precision not in PRECISIONS:
@@ -100,6 +112,29 @@ class Settings:
                             f"{self.offload_optimizer!r})")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _mesh_problems(self) -> list[str]:
+        problems = []
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.tp != 1 and self.tp_plan is None:
+            problems.append(f"tensor parallel size {self.tp} needs a plan (tensor_parallel.plan "
+                            "or --tp-plan: gpt, hf_gpt2, llama or a {pattern: style} mapping)")
+        if self.pp != 1:
+            from meshzero.parallel.pipeline import SCHEDULES
+
+            if self.pp_schedule not in SCHEDULES:
+                problems.append(f"unknown pipeline schedule {self.pp_schedule!r}; valid: "
+                                f"{', '.join(SCHEDULES)}")
+            if self.stage == 3:
+                problems.append(f"pipeline parallel size {self.pp} with ZeRO stage 3: the "
+                                "engine supports stages 0-2 with a pipeline")
+            if self.sequence_parallel:
+                problems.append("sequence_parallel with pipeline parallelism is not supported "
+                                "by the engine")
+        return problems
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -131,14 +166,42 @@ class Settings:
     def param_tier(self) -> str:
         return TIER_OF[self.offload_param]
 
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of one pipeline step (= the gradient accumulation steps)."""
+        return self.pp_micro_batches or self.grad_accum
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel (ZeRO) ranks of ``world_size``: world / (tp * pp)."""
+        if world_size % self.model_parallel:
+            raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
+                             f"{self.tp} x pipeline parallel {self.pp}")
+        return world_size // self.model_parallel
+
+    def describe_mesh(self) -> str:
+        parts = []
+        if self.tp > 1:
+            plan = self.tp_plan if isinstance(self.tp_plan, str) else "custom"
+            parts.append(f"tp {self.tp} (plan {plan}"
+                         + (", sequence parallel)" if self.sequence_parallel else ")"))
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} ({self.pp_schedule}, {self.micro_batches} micro-batches)")
+        return ", ".join(parts)
+
     def describe(self) -> str:
+        mesh = self.describe_mesh()
         opt = self.optimizer + (" (assumed: the config has no optimizer block)"
                                 if self.optimizer_assumed else "")
         return (f"ZeRO stage {self.stage}, {self.precision}, {opt}, offload optimizer "
                 f"{self.offload_optimizer} / params {self.offload_param}, micro batch "
                 f"{self.micro_batch}, grad accumulation {self.grad_accum}, seq len "
                 f"{self.seq_len if self.seq_len is not None else 'n/a'}, activation "
-                f"checkpointing {'on' if self.activation_checkpointing else 'off'}")
+                f"checkpointing {'on' if self.activation_checkpointing else 'off'}"
+                + (f", {mesh}" if mesh else ""))
 
 
 def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str] | None,
@@ -147,25 +210,27 @@ def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str
     None. With no config, DeepSpeed's defaults (stage 0, fp32, AdamW assumed)."""
     values: dict[str, Any] = {}
     if config is not None:
-        values = _from_config(load_config(config), world_size)
+        cfg = load_config(config)
+        tp = overrides.get("tp") or cfg.tensor_parallel.size
+        pp = overrides.get("pp") or cfg.pipeline_parallel.size
+        if world_size % (tp * pp):
+            raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
+                             f"{tp} x pipeline parallel {pp}")
+        values = _from_config(cfg, world_size // (tp * pp))
     else:
         values["optimizer_assumed"] = True
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if "unit_classes" in values and values["unit_classes"] is not None:
-        values["unit_classes"] = tuple(values["unit_classes"])
+    for key in ("unit_classes", "pp_first", "pp_last", "pp_boundaries"):
+        if values.get(key) is not None:
+            values[key] = tuple(values[key])
     unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
     if unknown:
         raise ValueError(f"unknown estimate setting(s): {sorted(unknown)}")
     return Settings(**values)
 
 
-def _from_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    sizes = {key: getattr(getattr(cfg, key, None), "size", 1)
-             for key in ("tensor_parallel", "pipeline_parallel")}
-    if any(size > 1 for size in sizes.values()):
-        given = ", ".join(f"{k}.size = {v}" for k, v in sizes.items() if v > 1)
-        raise ValueError(f"the estimate models data parallelism (ZeRO) only, not {given}; "
-                         "estimate with both sizes 1")
+def _from_config(cfg: Config, dp_size: int) -> dict[str, Any]:
+    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
     zc = cfg.zero_optimization
     values: dict[str, Any] = {
         "stage": zc.stage,
@@ -178,6 +243,11 @@ def _from_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "max_live_parameters": zc.stage3_max_live_parameters,
         "max_reuse_distance": zc.stage3_max_reuse_distance,
         "unit_classes": zc.unit_classes,
+        "tp": tp.size, "tp_plan": tp.plan, "sequence_parallel": tp.sequence_parallel,
+        "pp": pp.size, "pp_schedule": pp.schedule, "pp_micro_batches": pp.micro_batches,
+        "pp_layers": pp.layers, "pp_first": tuple(pp.first), "pp_last": tuple(pp.last),
+        "pp_stages_per_rank": pp.stages_per_rank,
+        "pp_boundaries": tuple(pp.boundaries) if pp.boundaries is not None else None,
     }
     # offload keys are read only where the config schema has them
     for key, prefix in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
@@ -195,5 +265,5 @@ def _from_config(cfg: Config, world_size: int) -> dict[str, Any]:
         values["amsgrad"] = bool(params.get("amsgrad", False))
         values["momentum"] = float(params.get("momentum", 0.0))
     if any(x is not None for x in (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu)):
-        _, values["micro_batch"], values["grad_accum"] = cfg.resolve_batch(world_size)
+        _, values["micro_batch"], values["grad_accum"] = cfg.resolve_batch(dp_size)
     return values
