@@ -113,3 +113,24 @@ def test_cli(capsys, tmp_path):
     assert "at least one node with one GPU" in capsys.readouterr().err
     assert main(["plan", "--params", "7B", "--largest-unit", "200M"]) == 1
     assert "give --seq-len" in capsys.readouterr().err
+
+
+def test_tp_pp_plan():
+    """With tp/pp given, ZeRO is searched over dp = world / (tp * pp), no stage 3 under a
+    pipeline, the bubble and tp/pp traffic are in the step time, and the written config
+    carries the mesh and estimates the same."""
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory="2MB")
+    result = plan(tiny_gpt, cluster=cluster, global_batch=8, tp=2, tp_plan="gpt", pp=2,
+                  precision="bf16")
+    stages = {c.estimate.settings.stage for c in result.candidates}
+    assert stages == {0, 1, 2}
+    best = result.best
+    s = best.estimate.settings
+    assert s.micro_batch * s.grad_accum == 8  # dp = 1
+    cfg = best.ds_config()
+    assert cfg["tensor_parallel"] == {"size": 2, "plan": "gpt"}
+    assert cfg["pipeline_parallel"]["micro_batches"] == s.grad_accum
+    again = estimate(tiny_gpt, cluster=cluster, config=cfg)
+    assert again.model_states == best.estimate.model_states
+    no_tp = plan(tiny_gpt, cluster=cluster, global_batch=8, pp=2, tp=1, precision="bf16")
+    assert best.compute_s > min(c.compute_s for c in no_tp.candidates) / 2  # tp all-reduces

@@ -17,6 +17,13 @@ result:
                stage 3  per micro-step 2 all-gathers psi + 1 reduce-scatter psi
     offload  = PCIe copies of the gradient and parameter shards, the host optimizer step
                (cpu_adam_rate per node) and NVMe reads and writes (nvme_bw per node)
+
+Tensor/pipeline parallelism (tp, pp from the config or --tp/--pp) is kept as given: ZeRO
+works over dp = world / (tp * pp) (psi is the largest pp rank's local count, the bandwidth
+inter-node when tp * dp exceeds a node); pp adds a bubble of pp - 1 micro-steps to compute
+(gpipe / 1f1b) and stages 0-2 only; tp adds 4 activation all-reduces per layer per
+micro-batch, not overlapped; pp sends each micro-batch's activation and its gradient
+(estimate/timing.py). With pp give a global batch: the micro-batches are its accumulation.
 """
 
 from __future__ import annotations
@@ -38,12 +45,20 @@ from meshzero.estimate.command import (
     add_model_args,
     add_settings_args,
     cluster_of,
+    mesh_of,
     model_of,
+    pipeline_layout_arg,
 )
 from meshzero.estimate.core import Estimate, Estimator
 from meshzero.estimate.model import InputsFn, load_model
 from meshzero.estimate.report import fmt_bytes
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
+from meshzero.estimate.timing import (
+    communication_bytes,
+    model_parallel_seconds,
+    num_layers,
+    offload_seconds,
+)
 from meshzero.profiling.report import seconds, si
 from meshzero.weights_io import parse_size
 
@@ -116,7 +131,14 @@ class Candidate:
             cfg.pop(key, None)
         cfg["train_micro_batch_size_per_gpu"] = s.micro_batch
         cfg["gradient_accumulation_steps"] = s.grad_accum
-        cfg["train_batch_size"] = s.micro_batch * s.grad_accum * c.world_size
+        cfg["train_batch_size"] = s.micro_batch * s.grad_accum * s.dp_size(c.world_size)
+        if s.tp > 1:
+            cfg["tensor_parallel"] = {**cfg.get("tensor_parallel", {}), "size": s.tp,
+                                      "plan": s.tp_plan}
+        if s.pp > 1:
+            cfg["pipeline_parallel"] = {**cfg.get("pipeline_parallel", {}), "size": s.pp,
+                                        "schedule": s.pp_schedule,
+                                        "micro_batches": s.grad_accum}
         if "optimizer" not in cfg:  # the estimate assumed AdamW (default hyperparameters)
             cfg["optimizer"] = {"type": "AdamW", "params": {}}
         if s.precision != "fp32":
@@ -208,7 +230,7 @@ class Planner:
     def micro_batches(self, checkpointing: bool, room: int) -> list[int]:
         """Powers of two (or, with a global batch, the divisors of its share per rank) whose
         activations fit in ``room`` bytes, measured in increasing order."""
-        n = self.cluster.world_size
+        n = self.base.dp_size(self.cluster.world_size)
         if self.global_batch is not None:
             if self.global_batch % n:
                 raise ValueError(f"global batch {self.global_batch} is not divisible by the "
@@ -232,6 +254,8 @@ class Planner:
         rooms = {}
         for ckpt in checkpointing_options:
             for stage, offloads in OFFLOADS.items():
+                if stage == 3 and self.base.pp > 1:  # the engine's pipeline takes stages 0-2
+                    continue
                 for opt, par in offloads:
                     settings = dataclasses.replace(self.base, stage=stage, offload_optimizer=opt,
                                                    offload_param=par, micro_batch=1,
@@ -249,10 +273,11 @@ class Planner:
         for (ckpt, *_), (first, _) in rooms.items():
             for b in batches[ckpt] or [1]:
                 considered += 1
-                gas = (self.global_batch // (b * self.cluster.world_size)
+                gas = (self.global_batch // (b * self.base.dp_size(self.cluster.world_size))
                        if self.global_batch else 1)
                 est = self.estimator.estimate(
-                    dataclasses.replace(first.settings, micro_batch=b, grad_accum=gas),
+                    dataclasses.replace(first.settings, micro_batch=b, grad_accum=gas,
+                                        pp_micro_batches=None),
                     self.cluster, search_micro_batch=False)
                 if est.fits:
                     fits.append(self.timed(est))
@@ -273,49 +298,19 @@ class Planner:
         flops = est.flops_per_micro_batch
         if flops is None:
             flops = (8 if s.activation_checkpointing else 6) * est.num_params * tokens
-        compute = s.grad_accum * flops / (a.gpu_flops * a.mfu)
+        bubble = s.pp - 1 if s.pp > 1 else 0  # gpipe / 1f1b: pp - 1 idle micro-slots
+        compute = (s.grad_accum + bubble) * flops / (a.gpu_flops * a.mfu)
         states = self.estimator.states(s, c.world_size)
+        dp = states.world_size
         comm = communication_bytes(states.layout, s) / (
-            a.inter_node_bw if c.nodes > 1 else a.intra_node_bw)
+            a.inter_node_bw if dp * s.tp > c.gpus_per_node else a.intra_node_bw)
+        if s.model_parallel > 1:
+            model = self.estimator.spec.model
+            tp_s, pp_s = model_parallel_seconds(s, c, a, model, num_layers(model))
+            compute += tp_s  # tp all-reduces sit between the matmuls: not overlapped
+            comm += pp_s
         offload = offload_seconds(states.layout, s, c, a)
-        return Candidate(est, compute, comm, offload, tokens * s.grad_accum * c.world_size)
-
-
-def communication_bytes(layout, s: Settings) -> float:
-    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count)."""
-    n = layout.num_shards
-    ring = (n - 1) / n
-    total = 0.0
-    for g in layout.groups():
-        sharded = s.stage == 3 and not g.persistent
-        gathers = 2 * s.grad_accum if sharded else (1 if s.stage >= 1 and g.requires_grad else 0)
-        total += gathers * g.padded_numel * s.compute_bytes
-        if g.requires_grad:
-            if s.stage == 0:
-                total += 2 * g.padded_numel * s.comm_bytes
-            else:
-                reduces = s.grad_accum if s.stage >= 2 else 1
-                total += reduces * g.padded_numel * s.comm_bytes
-    return total * ring
-
-
-def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
-    owned = sum(g.shard_numel for g in layout.groups() if g.requires_grad)
-    sharded = sum(g.shard_numel for g in layout.groups()
-                  if s.stage == 3 and not g.persistent)
-    per_rank_nvme = a.nvme_bw / c.gpus_per_node
-    out = 0.0
-    if s.offload_optimizer != "none":
-        # gradient shard to the host, updated shard back in the compute dtype, host step
-        out += owned * (4 + s.compute_bytes) / a.pcie_bw
-        out += owned / (a.cpu_adam_rate / c.gpus_per_node)
-    if s.offload_optimizer == "nvme":  # read and write master + states per step
-        out += 2 * owned * (4 + s.state_bytes_per_element) / per_rank_nvme
-    if s.offload_param != "none":  # shards to the device for forward and backward
-        out += 2 * s.grad_accum * sharded * s.compute_bytes / a.pcie_bw
-    if s.offload_param == "nvme":
-        out += (2 * s.grad_accum + 1) * sharded * s.compute_bytes / per_rank_nvme
-    return out
+        return Candidate(est, compute, comm, offload, tokens * s.grad_accum * dp)
 
 
 def _pressure(e: Estimate) -> float:
@@ -428,12 +423,12 @@ def run(args: argparse.Namespace) -> int:
                               pcie_bw=args.pcie_bw, nvme_bw=args.nvme_bw,
                               cpu_adam_rate=args.cpu_adam_rate)
     base = settings_from_config(args.config, cluster.world_size, precision=args.precision,
-                                seq_len=args.seq_len)
+                                seq_len=args.seq_len, **mesh_of(args))
     global_batch = args.global_batch
     if global_batch is None and args.config is not None:
         global_batch = load_config(args.config).train_batch_size
-    result = _plan(Estimator(spec, per_sample), base, cluster, assumptions, global_batch,
-                   bool(args.activation_checkpointing))
+    result = _plan(Estimator(spec, per_sample, pipeline_layout_arg(args)), base, cluster,
+                   assumptions, global_batch, bool(args.activation_checkpointing))
     print(result.format(args.top))
     if args.write_config:
         raw = _raw_config(args.config)

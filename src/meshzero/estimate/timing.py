@@ -1,0 +1,92 @@
+"""The planner's time model: bytes a rank sends per optimizer step and offload seconds
+(see meshzero.plan's docstring for the formulas and their assumptions)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from meshzero.estimate.settings import Cluster, Settings
+
+if TYPE_CHECKING:
+    from meshzero.plan import Assumptions
+
+
+def communication_bytes(layout, s: Settings) -> float:
+    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count)."""
+    n = layout.num_shards
+    ring = (n - 1) / n
+    total = 0.0
+    for g in layout.groups():
+        sharded = s.stage == 3 and not g.persistent
+        gathers = 2 * s.grad_accum if sharded else (1 if s.stage >= 1 and g.requires_grad else 0)
+        total += gathers * g.padded_numel * s.compute_bytes
+        if g.requires_grad:
+            if s.stage == 0:
+                total += 2 * g.padded_numel * s.comm_bytes
+            else:
+                reduces = s.grad_accum if s.stage >= 2 else 1
+                total += reduces * g.padded_numel * s.comm_bytes
+    return total * ring
+
+
+def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
+    owned = sum(g.shard_numel for g in layout.groups() if g.requires_grad)
+    sharded = sum(g.shard_numel for g in layout.groups()
+                  if s.stage == 3 and not g.persistent)
+    per_rank_nvme = a.nvme_bw / c.gpus_per_node
+    out = 0.0
+    if s.offload_optimizer != "none":
+        # gradient shard to the host, updated shard back in the compute dtype, host step
+        out += owned * (4 + s.compute_bytes) / a.pcie_bw
+        out += owned / (a.cpu_adam_rate / c.gpus_per_node)
+    if s.offload_optimizer == "nvme":  # read and write master + states per step
+        out += 2 * owned * (4 + s.state_bytes_per_element) / per_rank_nvme
+    if s.offload_param != "none":  # shards to the device for forward and backward
+        out += 2 * s.grad_accum * sharded * s.compute_bytes / a.pcie_bw
+    if s.offload_param == "nvme":
+        out += (2 * s.grad_accum + 1) * sharded * s.compute_bytes / per_rank_nvme
+    return out
+
+
+def num_layers(model: nn.Module) -> int:
+    """Layers of the model's longest ModuleList / Sequential of modules with parameters."""
+    return max((sum(1 for k in m.children() if any(True for _ in k.parameters()))
+                for m in model.modules() if isinstance(m, nn.ModuleList | nn.Sequential)),
+               default=1) or 1
+
+
+def model_width(model: nn.Module) -> int:
+    """The hidden size activations between layers have: the first Embedding's dimension, else
+    the first Linear's input features."""
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.embedding_dim
+        if isinstance(m, nn.Linear):
+            return m.in_features
+    raise ValueError("cannot tell the model's hidden size (no Embedding or Linear)")
+
+
+def model_parallel_seconds(s: Settings, c: Cluster, a: Assumptions, model: nn.Module,
+                           num_layers: int) -> tuple[float, float]:
+    """(tp, pp) communication seconds per optimizer step of one rank.
+
+    tp (Megatron): 4 all-reduces of a (micro batch, seq, hidden) activation per layer per
+    micro-batch, forward and backward, in the compute dtype, ring factor 2 (tp-1)/tp, over
+    the intra-node bandwidth while the tp group fits in a node (rank order puts tp
+    innermost); not overlapped with compute. pp: each micro-batch sends one activation
+    forward and its gradient back per stage boundary, over the inter-node bandwidth when the
+    pipeline spans nodes. The pipeline bubble is in the compute term (plan docstring)."""
+    if s.model_parallel == 1:
+        return 0.0, 0.0
+    act = s.micro_batch * (s.seq_len or 1) * model_width(model) * s.compute_bytes
+    tp_s = pp_s = 0.0
+    if s.tp > 1:
+        bw = a.intra_node_bw if s.tp <= c.gpus_per_node else a.inter_node_bw
+        per_layer = 4 * act * 2 * (s.tp - 1) / s.tp
+        tp_s = s.micro_batches * num_layers / s.pp * per_layer / bw
+    if s.pp > 1:
+        bw = a.inter_node_bw if c.nodes > 1 else a.intra_node_bw
+        pp_s = s.micro_batches * 2 * act / bw
+    return tp_s, pp_s
