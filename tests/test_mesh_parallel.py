@@ -32,17 +32,18 @@ CASES = {
 
 
 @functools.cache
-def _reference(kind: str, grad_accum: int):
+def _reference(kind: str, grad_accum: int, clip: float = 0.0):
     factory, loss, batches, _, _ = CASES[kind]
     return reference_train(factory, batches(), grad_accum=grad_accum, eps=ADAM_EPS,
-                           loss_fn=loss)
+                           loss_fn=loss, clip=clip)
 
 
 def _run(rank: int, world_size: int, kind: str, stage: int, tp: int, pp: int,
-         schedule: str = "1f1b", grad_accum: int = 2) -> dict:
+         schedule: str = "1f1b", grad_accum: int = 2, clip: float = 0.0) -> dict:
     factory, loss, batches, layout, plan = CASES[kind]
     batches = batches()
-    cfg = zero_config(stage, global_batch=GLOBAL_BATCH, grad_accum=grad_accum)
+    cfg = zero_config(stage, global_batch=GLOBAL_BATCH, grad_accum=grad_accum,
+                      gradient_clipping=clip)
     if tp > 1:
         cfg["tensor_parallel"] = {"size": tp, "plan": plan}
     if pp > 1:
@@ -92,8 +93,8 @@ def _full_params(engine) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-def _check(results: list[dict], kind: str, grad_accum: int = 2) -> None:
-    ref = _reference(kind, grad_accum)
+def _check(results: list[dict], kind: str, grad_accum: int = 2, clip: float = 0.0) -> None:
+    ref = _reference(kind, grad_accum, clip)
     for r in results:
         for name, want in ref.params.items():
             torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6,
@@ -177,3 +178,13 @@ def test_profiler_counts_what_each_rank_holds_and_computes(tmp_path, world, stag
     if stage == 3:
         assert all(psi / 4 <= r["held"] <= psi / 2 for r in results)
         assert "split tp=2 x pp=1 ways" in results[0]["zero"]
+
+
+@pytest.mark.parametrize(("stage", "tp", "pp"), [(3, 2, 1), (1, 2, 2)])
+def test_clipping_norm_counts_every_tensor_once(tmp_path, stage, tp, pp):
+    """The global norm adds the tp and pp parts: a tensor every tp rank holds whole (norms,
+    row-parallel biases) and the embedding tied across stages are counted once."""
+    clip = 0.05
+    assert min(_reference("gpt", 2, clip).grad_norms) > clip  # the clip is active
+    results = run_distributed(_run, 4, tmp_path, "gpt", stage, tp, pp, "1f1b", 2, clip)
+    _check(results, "gpt", clip=clip)
