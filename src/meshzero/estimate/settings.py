@@ -220,6 +220,12 @@ def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str
     else:
         values["optimizer_assumed"] = True
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("pp", 1) > 1 and values.get("pp_micro_batches"):
+        m = values["pp_micro_batches"]
+        if values.get("grad_accum", m) != m:
+            raise ValueError(f"pipeline micro_batches ({m}) != the gradient accumulation steps "
+                             f"({values['grad_accum']}): the engine requires them equal")
+        values["grad_accum"] = m
     for key in ("unit_classes", "pp_first", "pp_last", "pp_boundaries"):
         if values.get(key) is not None:
             values[key] = tuple(values[key])
