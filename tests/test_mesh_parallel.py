@@ -122,8 +122,11 @@ def test_tp2_dp2_with_zero(tmp_path, stage):
     _check(results, "gpt")
 
 
-def test_tp2_pp2(tmp_path):
-    _check(run_distributed(_run, 4, tmp_path, "gpt", 0, 2, 2), "gpt")
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_tp2_pp2(tmp_path, schedule):
+    """interleaved: two stages per rank, the tp-replaced embedding and head shared by the
+    rank's stage modules."""
+    _check(run_distributed(_run, 4, tmp_path, "gpt", 0, 2, 2, schedule), "gpt")
 
 
 def test_tp2_pp2_dp2_eight_ranks(tmp_path):

@@ -77,11 +77,26 @@ def cut_model(model: nn.Module, config: Config, topology: Topology, device: torc
 
         model = apply_tensor_parallel(model, plan, topology.groups["tp"],
                                       sequence_parallel=tp.sequence_parallel, on_comm=on_comm)
+        if pipe is not None and len(pipe.stages) > 1:
+            _share_replaced_modules(model, [st.submod for st in pipe.stages])
         if pipe is not None:  # tied tensors across stages are now the tp slices
             for tied in pipe.tied_parameters:
                 tied.param = next(p for n, p in model.named_parameters(remove_duplicate=False)
                                   if n in tied.names)
     return model, pipe
+
+
+def _share_replaced_modules(holder: nn.Module, stages: list[nn.Module]) -> None:
+    """A rank running several stages holds them under one skeleton module; tensor
+    parallelism replaced modules in that skeleton, so point each stage at the same ones."""
+    for stage in stages:
+        for name, module in list(stage.named_modules()):
+            if not name:
+                continue
+            current = holder.get_submodule(name)
+            if current is not module:
+                parent, _, child = name.rpartition(".")
+                setattr(stage.get_submodule(parent) if parent else stage, child, current)
 
 
 def shipped_plan(plan: str | dict) -> dict:
