@@ -18,3 +18,13 @@ def run_ranks(tmp_path) -> Callable[..., list]:
         return run_distributed(fn, world_size, tmp_path, *args, **kwargs)
 
     return run
+
+
+@pytest.fixture
+def no_default_group() -> None:
+    """Estimating tensor parallelism builds the model over a fake process group, which needs
+    a process without one; earlier in-process tests (a world of one) may have left theirs."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

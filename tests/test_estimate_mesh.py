@@ -17,6 +17,8 @@ from tests.test_estimate import TINY_GPT, tiny_gpt
 
 ADAM = {"type": "AdamW", "params": {"lr": 1e-3}}
 
+pytestmark = pytest.mark.usefixtures("no_default_group")
+
 
 def _config(stage: int, *, tp: int = 1, pp: int = 1, bf16: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2 if pp > 1 else 1,

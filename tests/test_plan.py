@@ -115,6 +115,7 @@ def test_cli(capsys, tmp_path):
     assert "give --seq-len" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("no_default_group")
 def test_tp_pp_plan():
     """With tp/pp given, ZeRO is searched over dp = world / (tp * pp), no stage 3 under a
     pipeline, the bubble and tp/pp traffic are in the step time, and the written config

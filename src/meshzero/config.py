@@ -14,7 +14,6 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -33,38 +32,26 @@ from meshzero.config_errors import (
     read_json,
     report,
 )
-
-# --- strict scalar types -------------------------------------------------------------------
-
-
-def _integral(value: Any) -> Any:
-    """Accept 5e8 (JSON gives 500000000.0) as an int; refuse bools and fractional floats."""
-    if isinstance(value, bool):
-        raise _Invalid("is a boolean; give an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise _Invalid("is not a whole number; give an integer")
-        return int(value)
-    return value  # strict int validation then rejects strings such as "10"
-
-
-Int = Annotated[int, Strict(), BeforeValidator(_integral)]
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
-Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-PosFloat = Annotated[Float, Field(gt=0)]
-NonNegFloat = Annotated[Float, Field(ge=0)]
-Beta = Annotated[Float, Field(ge=0, lt=1)]
-Ratio = Annotated[Float, Field(ge=0, le=1)]
-Bool = Annotated[bool, Strict()]
-WarmupType = Literal["log", "linear"]
-
-
-class _Model(BaseModel):
-    """Base of every config model: unknown keys are errors, and a loaded config is immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+from meshzero.config_mesh import (
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    PipelineParallelConfig,
+    TensorParallelConfig,
+    TopologyConfig,
+)
+from meshzero.config_types import (
+    Beta,
+    Bool,
+    Float,
+    Int,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Ratio,
+    WarmupType,
+    _Model,
+)
 
 # --- optimizer and scheduler ---------------------------------------------------------------
 
@@ -244,35 +231,6 @@ _ALWAYS_ON = {
 }
 
 
-OffloadDevice = Literal["none", "cpu", "nvme"]
-NvmePath = Annotated[str, Strict(), Field(min_length=1)]
-
-
-class OffloadOptimizerConfig(_Model):
-    """`zero_optimization.offload_optimizer`: where the fp32 master, its gradient shard and
-    the optimizer states live (stages 1-3). With nvme, buffer_count tiles of sub_group_size
-    elements are in host memory at once."""
-
-    device: OffloadDevice = "none"
-    nvme_path: NvmePath | None = None
-    pin_memory: Bool = False
-    buffer_count: PosInt = 4
-    fast_init: Bool = False
-
-
-class OffloadParamConfig(_Model):
-    """`zero_optimization.offload_param` (stage 3): where parameter shards live at rest.
-    buffer_size and max_in_cpu are accepted for DeepSpeed configs; meshzero sizes its read
-    buffers by the units it reads ahead (buffer_count of them)."""
-
-    device: OffloadDevice = "none"
-    nvme_path: NvmePath | None = None
-    pin_memory: Bool = False
-    buffer_count: PosInt = 5
-    buffer_size: PosInt = 100_000_000
-    max_in_cpu: NonNegInt = 1_000_000_000
-
-
 class ZeroConfig(_Model):
     """`zero_optimization`; unit_classes (meshzero's own key) names the module classes whose
     instances become ZeRO units (gathered and released together)."""
@@ -361,46 +319,6 @@ class FlopsProfilerConfig(_Model):
             raise _Invalid("is not supported: meshzero measures recomputation (reported "
                            "separately) instead of assuming a factor; use 0")
         return value
-
-
-# --- the mesh (meshzero's own keys) ----------------------------------------------------------
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                      "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-
-
-class TensorParallelConfig(_Model):
-    """`tensor_parallel` (meshzero's key; DeepSpeed's AutoTP keys are not accepted): size of
-    the tp axis (inside a node), the plan (a shipped plan's name or {pattern: style}) and
-    Megatron sequence parallelism."""
-
-    size: PosInt = 1
-    plan: Annotated[str, Strict(), Field(min_length=1)] | dict[str, str] | None = None
-    sequence_parallel: Bool = False
-
-
-class PipelineParallelConfig(_Model):
-    """`pipeline_parallel` (meshzero's key): pp stages (across nodes), a
-    torch.distributed.pipelining schedule, micro-batches per optimizer step (= the gradient
-    accumulation steps), the model's layer list to split (attribute path, "" for the model
-    itself), the modules run before it on the first stage and after it on the last, virtual
-    stages per rank and optional explicit stage boundaries (first layer of stages 1..S-1)."""
-
-    size: PosInt = 1
-    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
-    micro_batches: PosInt | None = None
-    layers: Annotated[str, Strict()] = ""
-    first: list[Annotated[str, Strict(), Field(min_length=1)]] = Field(default_factory=list)
-    last: list[Annotated[str, Strict(), Field(min_length=1)]] = Field(default_factory=list)
-    stages_per_rank: PosInt | None = None
-    boundaries: list[NonNegInt] | None = None
-
-
-class TopologyConfig(_Model):
-    """`topology` (meshzero's key): ranks per node (default: torchrun's LOCAL_WORLD_SIZE),
-    which decides what traffic counts as inside a node."""
-
-    ranks_per_node: PosInt | None = None
 
 
 # --- top level -----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import copy
 import math
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -68,6 +68,12 @@ from meshzero.parallel.plans import (
     parse_plan,
     validate_entry,
 )
+from meshzero.parallel.shards import (  # noqa: F401  (re-exported)
+    ShardLayout,
+    is_tp_sharded,
+    shard_tensor,
+    unshard_tensor,
+)
 from meshzero.parallel.tensor_comms import (
     OnComm,
     all_reduce_sum,
@@ -81,43 +87,6 @@ from meshzero.parallel.tensor_comms import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How a local parameter is cut from its full tensor.
-
-    The full tensor (in the local layer's orientation) has ``num_fused`` equal parts along
-    ``dim`` (e.g. q, k and v of a fused projection); each part is cut into tp equal pieces
-    and a rank's shard is its piece of every part, concatenated. ``transposed``: the original
-    module stored the transpose (Hugging Face ``Conv1D`` keeps weights as (in, out)).
-    """
-
-    dim: int
-    num_fused: int = 1
-    transposed: bool = False
-
-
-def shard_tensor(full: torch.Tensor, layout: ShardLayout, tp_size: int, tp_rank: int
-                 ) -> torch.Tensor:
-    """This rank's shard of ``full`` (already in the local orientation), a fresh tensor."""
-    parts = full.chunk(layout.num_fused, dim=layout.dim)
-    pieces = [part.chunk(tp_size, dim=layout.dim)[tp_rank] for part in parts]
-    return torch.cat(pieces, dim=layout.dim).clone()
-
-
-def unshard_tensor(shards: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
-    """The full tensor, in the original module's orientation, from every rank's shard."""
-    per_rank = [s.chunk(layout.num_fused, dim=layout.dim) for s in shards]
-    parts = [torch.cat([chunks[f] for chunks in per_rank], dim=layout.dim)
-             for f in range(layout.num_fused)]
-    full = torch.cat(parts, dim=layout.dim)
-    return full.t().contiguous() if layout.transposed else full
-
-
-def is_tp_sharded(param: torch.Tensor) -> bool:
-    """True if each tp rank holds a different slice of this parameter."""
-    return bool(getattr(param, "tp_sharded", False))
 
 
 def _divisible(what: str, size: int, tp_size: int) -> None:

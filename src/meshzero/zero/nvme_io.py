@@ -1,0 +1,149 @@
+"""NVMe tier building blocks: files read and written with ``os.preadv``/``os.pwrite``
+(opened per access, so a removed file is noticed), the tiles the optimizer space is cut into,
+and their host buffers."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshzero.zero.units import Fragment
+
+
+class NvmeIOError(RuntimeError):
+    """An NVMe offload file is missing, truncated or cannot be written."""
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a writable buffer (no copy)."""
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+class NvmeFile:
+    """One file, opened per access so a file removed under us is noticed."""
+
+    def __init__(self, path: str, itemsize: int):
+        self.path = path
+        self.itemsize = itemsize
+
+    def _open(self, flags: int, what: str) -> int:
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise NvmeIOError(f"NVMe offload file {self.path} is missing ({what})") from None
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be opened: "
+                              f"{exc.strerror} ({what})") from None
+
+    def write(self, index: int, t: torch.Tensor, what: str) -> None:
+        fd = self._open(os.O_WRONLY | os.O_CREAT, what)
+        try:
+            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be written: "
+                              f"{exc.strerror} ({what})") from None
+        finally:
+            os.close(fd)
+
+    def read(self, index: int, t: torch.Tensor, what: str) -> None:
+        fd = self._open(os.O_RDONLY, what)
+        try:
+            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
+            want = len(view)
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n == 0:
+                    raise NvmeIOError(
+                        f"NVMe offload file {self.path} is truncated: wanted {want} bytes at "
+                        f"offset {index * self.itemsize}, got {want - len(view)} ({what})")
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be read: "
+                              f"{exc.strerror} ({what})") from None
+        finally:
+            os.close(fd)
+
+
+@dataclass
+class Tile:
+    index: int
+    start: int  # in the optimizer space
+    end: int
+    first_leaf: int  # leaves of a tile have consecutive indices
+    leaves: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (leaf, a, b)
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def describe(self) -> str:
+        names = sorted(set(self.names))
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"optimizer tile {self.index}, parameters {shown}"
+
+
+class TileBuffers:
+    """Host buffers for one tile: master, grad, compute-dtype params and state kinds."""
+
+    def __init__(self, numel: int, leaves: int, compute_dtype: torch.dtype, pin: bool):
+        self.numel, self.leaves, self.pin = numel, leaves, pin
+        self.master = torch.empty(numel, pin_memory=pin)
+        self.grad = torch.empty(numel, pin_memory=pin)
+        self.params = torch.empty(numel, dtype=compute_dtype, pin_memory=pin)
+        self.kinds: dict[str, torch.Tensor] = {}
+
+    def kind(self, name: str, dtype: torch.dtype, scalar: bool) -> torch.Tensor:
+        if name not in self.kinds:
+            self.kinds[name] = torch.empty(self.leaves if scalar else self.numel, dtype=dtype,
+                                           pin_memory=self.pin)
+        return self.kinds[name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.master, self.grad, self.params, *self.kinds.values()))
+
+
+CUT = 64  # fragments are cut at multiples of this from their start (see TilePlanner)
+
+
+class TilePlanner:
+    """Packs fragments, in optimizer-space order, into tiles of at most ``tile_numel``.
+
+    A fragment that does not fit is cut at a multiple of CUT elements from its own start,
+    so the vectorised optimizer kernels see the same element-to-lane mapping and tail as for
+    the whole fragment: the update is bit-identical to the step without tiles.
+    """
+
+    def __init__(self, tile_numel: int):
+        self.tile_numel = tile_numel
+        self.bounds: list[list[int]] = []  # [start, end) of each tile in the space
+
+    def add(self, frag: Fragment, position: int) -> list[tuple[Fragment, int]]:
+        """``frag`` at ``position``: its pieces with the tile each lands in."""
+        out, a = [], 0
+        while a < frag.numel:
+            pos = position + a
+            if not self.bounds or pos - self.bounds[-1][0] >= self.tile_numel:
+                self.bounds.append([pos, pos])
+            room = self.bounds[-1][0] + self.tile_numel - pos
+            take = frag.numel - a
+            if take > room:
+                take = room // CUT * CUT if room >= CUT else 0
+                if take == 0:  # too little room to cut well: start the next tile
+                    self.bounds.append([pos, pos])
+                    take = min(frag.numel - a, max(self.tile_numel // CUT * CUT, 1))
+            piece = Fragment(frag.slot, frag.start + a, frag.start + a + take,
+                             frag.local_offset + a)
+            self.bounds[-1][1] = pos + take
+            out.append((piece, len(self.bounds) - 1))
+            a += take
+        return out
