@@ -208,17 +208,13 @@ def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str
                          world_size: int, **overrides: Any) -> Settings:
     """Settings of a ds_config for ``world_size`` ranks; ``overrides`` (flags) win when not
     None. With no config, DeepSpeed's defaults (stage 0, fp32, AdamW assumed)."""
-    values: dict[str, Any] = {}
-    if config is not None:
-        cfg = load_config(config)
-        tp = overrides.get("tp") or cfg.tensor_parallel.size
-        pp = overrides.get("pp") or cfg.pipeline_parallel.size
-        if world_size % (tp * pp):
-            raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
-                             f"{tp} x pipeline parallel {pp}")
-        values = _from_config(cfg, world_size // (tp * pp))
-    else:
-        values["optimizer_assumed"] = True
+    cfg = load_config(config if config is not None else {})  # no config: the schema defaults
+    tp = overrides.get("tp") or cfg.tensor_parallel.size
+    pp = overrides.get("pp") or cfg.pipeline_parallel.size
+    if world_size % (tp * pp):
+        raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
+                         f"{tp} x pipeline parallel {pp}")
+    values = _from_config(cfg, world_size // (tp * pp))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values.get("pp", 1) > 1 and values.get("pp_micro_batches"):
         m = values["pp_micro_batches"]
@@ -255,14 +251,11 @@ def _from_config(cfg: Config, dp_size: int) -> dict[str, Any]:
         "pp_stages_per_rank": pp.stages_per_rank,
         "pp_boundaries": tuple(pp.boundaries) if pp.boundaries is not None else None,
     }
-    # offload keys are read only where the config schema has them
     for key, prefix in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
-        section = getattr(zc, key, None)
-        if section is not None:
-            values[key] = section.device
-            values[f"{prefix}_buffer_count"] = section.buffer_count
-    if getattr(zc, "sub_group_size", None) is not None:
-        values["sub_group_size"] = zc.sub_group_size
+        section = getattr(zc, key)
+        values[key] = section.device
+        values[f"{prefix}_buffer_count"] = section.buffer_count
+    values["sub_group_size"] = zc.sub_group_size
     if cfg.optimizer is None:
         values["optimizer_assumed"] = True
     else:

@@ -159,7 +159,7 @@ class StepProfiler:
                 e.zero_stage, e.topology.dp_size, e.comm.size, e.topology.tp_size,
                 e.topology.pp_size),
             params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
-            gathered_params_peak=e.zero.memory.peak // _itemsize(e.compute_dtype),
+            gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
             fwd_flops_per_rank=c.total("forward"), bwd_flops_per_rank=c.total("backward"),
             recompute_flops_per_rank=c.total("recompute"), step_flops_per_rank=c.total("step"),
             fwd_flops_model=int(spread["fwd_flops_per_rank"][2]),
@@ -175,10 +175,6 @@ class StepProfiler:
             rank_min_max={k: v[:2] for k, v in spread.items()},
             profile_step=self.profile_step, module_depth=fcfg.module_depth,
             top_modules=fcfg.top_modules, detailed=fcfg.detailed)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def emit(report: ProfileReport, output_file: str | None) -> None:

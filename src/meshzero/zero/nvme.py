@@ -76,10 +76,15 @@ class NvmeStore:
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
-                                    torch.empty(0, dtype=compute_dtype).element_size())
+                                    compute_dtype.itemsize)
         for kind in ("master", "params"):
             self._create(kind, scalar=False)
         self._preallocate(self.grad_file.path, self.space_numel * 4)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each tile's leaves by param group, once (a step passes them to step_subset)."""
+        for tile in self.tiles:
+            tile.subset = subsets_by_group(optimizer, [leaf for leaf, _, _ in tile.leaves])
 
     def write_master(self, offset: int, master: torch.Tensor) -> None:
         """The initial fp32 master of one group, straight from its construction buffer."""
@@ -113,7 +118,7 @@ class NvmeStore:
             dtype = self.compute_dtype
         directory = self.param_dir if kind == "params" else self.dir
         return NvmeFile(os.path.join(directory, f"{kind}.{gen}"),
-                        torch.empty(0, dtype=dtype).element_size())
+                        dtype.itemsize)
 
     def _write_initial_state(self) -> None:
         """Compute params of every trainable group to generation 0 (the masters are there
@@ -296,7 +301,7 @@ class NvmeStore:
                 for kind, (dtype, scalar) in self.kinds.items():
                     t = buf.kind(kind, dtype, scalar)
                     state[kind] = t[i] if scalar else t[a:b]
-        step_subset(optimizer, subsets_by_group(optimizer, [leaf for leaf, _, _ in tile.leaves]))
+        step_subset(optimizer, tile.subset)
         for i, (leaf, a, b) in enumerate(tile.leaves):
             state = optimizer.state[leaf]
             for kind, value in state.items():

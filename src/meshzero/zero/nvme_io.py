@@ -40,33 +40,29 @@ class NvmeFile:
                               f"{exc.strerror} ({what})") from None
 
     def write(self, index: int, t: torch.Tensor, what: str) -> None:
-        fd = self._open(os.O_WRONLY | os.O_CREAT, what)
-        try:
-            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as exc:
-            raise NvmeIOError(f"NVMe offload file {self.path} cannot be written: "
-                              f"{exc.strerror} ({what})") from None
-        finally:
-            os.close(fd)
+        self._transfer(index, t, what, writing=True)
 
     def read(self, index: int, t: torch.Tensor, what: str) -> None:
-        fd = self._open(os.O_RDONLY, what)
+        self._transfer(index, t, what, writing=False)
+
+    def _transfer(self, index: int, t: torch.Tensor, what: str, *, writing: bool) -> None:
+        """``t``'s bytes to (or from) the file at element ``index``; a short read is a
+        truncated file."""
+        fd = self._open(os.O_WRONLY | os.O_CREAT if writing else os.O_RDONLY, what)
+        view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
+        want = len(view)
         try:
-            view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
-            want = len(view)
             while view:
-                n = os.preadv(fd, [view], offset)
+                n = os.pwrite(fd, view, offset) if writing else os.preadv(fd, [view], offset)
                 if n == 0:
                     raise NvmeIOError(
                         f"NVMe offload file {self.path} is truncated: wanted {want} bytes at "
                         f"offset {index * self.itemsize}, got {want - len(view)} ({what})")
                 view, offset = view[n:], offset + n
         except OSError as exc:
-            raise NvmeIOError(f"NVMe offload file {self.path} cannot be read: "
-                              f"{exc.strerror} ({what})") from None
+            raise NvmeIOError(f"NVMe offload file {self.path} cannot be "
+                              f"{'written' if writing else 'read'}: {exc.strerror} "
+                              f"({what})") from None
         finally:
             os.close(fd)
 
@@ -79,6 +75,7 @@ class Tile:
     first_leaf: int  # leaves of a tile have consecutive indices
     leaves: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (leaf, a, b)
     names: list[str] = field(default_factory=list)
+    subset: list[list[nn.Parameter]] = field(default_factory=list)  # leaves per param group
 
     @property
     def numel(self) -> int:

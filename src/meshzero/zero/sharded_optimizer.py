@@ -37,6 +37,7 @@ class ShardedOptimizerState:
         # every fragment leaf with where it lives: (leaf, Fragment, its FlatGroup)
         self.fragment_index: list[tuple[nn.Parameter, Fragment, FlatGroup]] = []
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._view_weights: list[float] | None = None  # tp/pp norm weight of each view
         self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
         self.tiles = None if nvme_tile_numel is None else TilePlanner(nvme_tile_numel)
         self.tile_of: list[int] = []  # NVMe: the tile of each fragment_index entry
@@ -102,11 +103,13 @@ class ShardedOptimizerState:
             stats += torch.tensor(nvme.grad_stats(need_norm, need_overflow),
                                   dtype=torch.float64, device=device)
         if replicated_weight:
-            weight = {id(leaf): replicated_weight.get(id(p), 1.0)
-                      for p, leaves in self.fragments.items() for leaf in leaves}
-            for leaf, view in self._grad_views:
+            if self._view_weights is None:  # the weights never change: map them once
+                weight = {id(leaf): replicated_weight.get(id(p), 1.0)
+                          for p, leaves in self.fragments.items() for leaf in leaves}
+                self._view_weights = [weight[id(leaf)] for leaf, _ in self._grad_views]
+            for (_, view), w in zip(self._grad_views, self._view_weights, strict=True):
                 if need_norm:
-                    stats[0] += view.double().pow(2).sum() * weight[id(leaf)]
+                    stats[0] += view.double().pow(2).sum() * w
                 if need_overflow:
                     stats[1] += (~torch.isfinite(view)).sum()
         for g in self._trainable() if nvme is None and not replicated_weight else ():

@@ -57,10 +57,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 class ZeroModelState:
     def __init__(self, model: nn.Module, comm: Communicator, device: torch.device,
                  options: ZeroOptions,
@@ -149,7 +145,7 @@ class ZeroModelState:
         """The NVMe paths exist, are writable directories and have room for this node's
         ranks (upper bound: two generations of master, Adam's two states and the params, one
         gradient shard)."""
-        itemsize = _itemsize(self.options.compute_dtype)
+        itemsize = self.options.compute_dtype.itemsize
         space = frozen = 0
         for unit in self.layout.units:
             for g in unit.groups:
@@ -179,6 +175,8 @@ class ZeroModelState:
         for leaf, _, g in self.optim_state.fragment_index:
             leaves[unit_of[id(g)]].append(leaf)
         self._unit_subsets = {u: subsets_by_group(optimizer, ls) for u, ls in leaves.items()}
+        if self.nvme is not None:
+            self.nvme.attach_optimizer(optimizer)
 
     def _on_unit_reduced(self, unit: int) -> None:
         scale = self._step_scale
