@@ -75,12 +75,6 @@ class ZeroModelState:
             persistence_threshold=options.persistence_threshold if stage == 3 else None,
         )
         self.offload = offload = options.offload
-        if offload.optimizer == "nvme":
-            self._check_nvme_space()
-        # a meta-device model is made real unit by unit, each unit's groups built as soon as
-        # it is complete (zero/materialize.py); otherwise the units in order
-        ready = range(len(self.layout.units)) if materialize is None else materialize(
-            self.layout)
         # NVMe: where each trainable group's owned range sits in the optimizer space, so its
         # master can go to its file as soon as the group is built
         space, offsets = 0, {}
@@ -91,7 +85,12 @@ class ZeroModelState:
                     space += g.shard_numel
         self.nvme: NvmeStore | None = None
         if offload.optimizer == "nvme":
+            self._check_nvme_space(space)
             self.nvme = NvmeStore(comm, offload, options.compute_dtype, space)
+        # a meta-device model is made real unit by unit, each unit's groups built as soon as
+        # it is complete (zero/materialize.py); otherwise the units in order
+        ready = range(len(self.layout.units)) if materialize is None else materialize(
+            self.layout)
 
         def sink(u: int, i: int):
             if self.nvme is None:
@@ -141,18 +140,13 @@ class ZeroModelState:
         self._step_scale: float | None = None
         self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
 
-    def _check_nvme_space(self) -> None:
+    def _check_nvme_space(self, space: int) -> None:
         """The NVMe paths exist, are writable directories and have room for this node's
         ranks (upper bound: two generations of master, Adam's two states and the params, one
-        gradient shard)."""
+        gradient shard; ``space``: elements of this rank's optimizer space)."""
         itemsize = self.options.compute_dtype.itemsize
-        space = frozen = 0
-        for unit in self.layout.units:
-            for g in unit.groups:
-                if g.requires_grad:
-                    space += g.shard_numel
-                elif self.options.stage == 3 and not g.persistent:
-                    frozen += g.shard_numel
+        frozen = sum(g.shard_numel for unit in self.layout.units for g in unit.groups
+                     if not g.requires_grad and self.options.stage == 3 and not g.persistent)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         param_bytes = 2 * space * itemsize + (frozen * itemsize
                                               if self.offload.param == "nvme" else 0)
