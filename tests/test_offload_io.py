@@ -4,6 +4,7 @@ shard, checkpoints move between tiers, and NVMe really lowers host memory."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -222,3 +223,25 @@ def test_nvme_lowers_peak_rss_by_the_optimizer_states(tmp_path):
     drop = out["cpu"]["peak_rss"] - out["nvme"]["peak_rss"]
     states = out["cpu"]["optimizer_state_bytes"]  # 201 MB of Adam m and v
     assert drop >= 0.8 * states, (out, drop / states)
+
+
+def test_pin_memory_without_cuda_warns_once(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("pins for real where CUDA exists")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(offload_mod.__name__)
+    logger.addHandler(handler)
+    monkeypatch.setattr(offload_mod, "_warned_pin", False)
+    try:
+        cfg = zero_config(3, global_batch=2)["zero_optimization"]
+        cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        for _ in range(2):
+            options = offload_mod.OffloadOptions.from_config(meshzero.load_config(
+                {"zero_optimization": cfg}).zero_optimization)
+            assert options.pin_memory is False
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "offload pin_memory is ignored: there is no CUDA device to pin for"]
