@@ -36,6 +36,10 @@ import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAILURE_GRACE_S = 0.5  # after a first failure, how long to gather the others
+# gloo's connectFullMesh on loopback now and then fails with "Connection closed by peer"
+# while every peer is alive (seen once in ~400 CI spawns); fn has not run then, so the
+# whole spawn is retried on a fresh store. A failure inside fn is never retried.
+GROUP_START_ATTEMPTS = 3
 PRELOAD_MODULES = (
     "torch",
     "torch.distributed",
@@ -55,6 +59,10 @@ class DistributedTestError(AssertionError):
     """A rank raised, died without reporting, or did not finish in time."""
 
 
+class _GroupStartError(DistributedTestError):
+    """A rank could not join the gloo group (before fn ran): the spawn is retried."""
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -68,7 +76,17 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _ensure_forkserver()
-    tmp_path = Path(tmp_path)
+    for attempt in range(GROUP_START_ATTEMPTS):
+        try:
+            return _spawn(fn, world_size, Path(tmp_path), timeout, args, kwargs)
+        except _GroupStartError:
+            if attempt == GROUP_START_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn(fn, world_size: int, tmp_path: Path, timeout: float, args, kwargs) -> list:
+    """One attempt: start the ranks, collect their results, stop every child."""
     call_id = next(_call_ids)
     tag = f"{os.getpid()}_{call_id}"
     store_path = tmp_path / f"store_{tag}"
@@ -136,6 +154,7 @@ def _collect(procs, readers, stack_paths, timeout: float) -> list:
     pending = set(range(world_size))
     deaths: list[str] = []
     errors: list[str] = []
+    start_errors: list[str] = []
     deadline = time.monotonic() + timeout
     first_failure: float | None = None
     while pending:
@@ -158,12 +177,16 @@ def _collect(procs, readers, stack_paths, timeout: float) -> list:
                 )
             elif message[1] == "error":
                 errors.append(f"rank {rank} raised:\n{message[2]}")
+            elif message[1] == "group_start_error":
+                start_errors.append(f"rank {rank} could not join the group:\n{message[2]}")
             else:
                 results[rank] = message[2]
-            if first_failure is None and (deaths or errors):
+            if first_failure is None and (deaths or errors or start_errors):
                 first_failure = time.monotonic()
     if deaths or errors:
-        raise DistributedTestError("\n".join(deaths + errors))
+        raise DistributedTestError("\n".join(deaths + errors + start_errors))
+    if start_errors:
+        raise _GroupStartError("\n".join(start_errors))
     if pending:
         raise DistributedTestError(_timeout_message(sorted(pending), timeout, procs, stack_paths))
     return results
@@ -280,6 +303,11 @@ def _rank_main(
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    except BaseException:
+        writer.send_bytes(pickle.dumps((rank, "group_start_error", traceback.format_exc())))
+        writer.close()
+        threading.Event().wait()  # the parent kills every rank and spawns them again
+    try:
         message = pickle.dumps((rank, "ok", _detach(fn(rank, world_size, *args, **kwargs))))
         failed = False
     except BaseException:

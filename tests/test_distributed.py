@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -137,3 +138,37 @@ def test_unpicklable_result_is_an_error_of_that_rank(tmp_path):
 def test_unpicklable_fn_fails_fast(tmp_path):
     with pytest.raises(TypeError, match="define fn at module level"):
         run_distributed(lambda rank, world_size: rank, 2, tmp_path)
+
+
+def _block_stores(monkeypatch, tmp_path, attempts: int) -> None:
+    """Make the next `attempts` spawns fail to join: their store path is a directory."""
+    from tests import distributed
+
+    monkeypatch.setattr(distributed, "_call_ids", itertools.count(1000))
+    for call_id in range(1000, 1000 + attempts):
+        (tmp_path / f"store_{os.getpid()}_{call_id}").mkdir()
+
+
+def test_group_start_failure_is_retried_on_a_fresh_store(tmp_path, monkeypatch):
+    _block_stores(monkeypatch, tmp_path, attempts=1)
+    results = run_distributed(_all_reduce_rank, 2, tmp_path, timeout=60.0)
+    assert [r["sum"].item() for r in results] == [1.0, 1.0]
+
+
+def test_group_start_failure_that_persists_is_reported(tmp_path, monkeypatch):
+    from tests.distributed import GROUP_START_ATTEMPTS
+
+    _block_stores(monkeypatch, tmp_path, attempts=GROUP_START_ATTEMPTS)
+    with pytest.raises(DistributedTestError, match="rank 0 could not join the group"):
+        run_distributed(_all_reduce_rank, 2, tmp_path, timeout=60.0)
+
+
+def test_failure_inside_fn_is_not_retried(tmp_path, monkeypatch):
+    from tests import distributed
+
+    spawns = []
+    real_spawn = distributed._spawn
+    monkeypatch.setattr(distributed, "_spawn", lambda *a: spawns.append(1) or real_spawn(*a))
+    with pytest.raises(DistributedTestError, match="rank 1 raised"):
+        run_distributed(_rank_raises, 2, tmp_path, 1, timeout=60.0)
+    assert len(spawns) == 1
