@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from meshzero.cli import main
 from meshzero.config import load_config
@@ -33,7 +34,7 @@ def test_every_candidate_fits_and_is_ranked(small_plan):
     assert {(0, "none", "none"), (3, "nvme", "nvme"), (2, "cpu", "none")} <= seen
     text = small_plan.format(5)
     assert "--gpu-flops 312.00 TFLOP/s x --mfu 0.5" in text and "--pcie-bw 25.00 GB/s" in text
-    row = re.compile(r"\s*\d+\s+[0-3]\s+(none|cpu|nvme)")
+    row = re.compile(r"\s*\d+\s+1\s+1\s+[0-3]\s+(none|cpu|nvme)")  # #, tp, pp, stage
     rows = [line for line in text.splitlines() if row.match(line)]
     assert len(rows) == 5
 
@@ -135,3 +136,75 @@ def test_tp_pp_plan():
     assert again.model_states == best.estimate.model_states
     no_tp = plan(tiny_gpt, cluster=cluster, global_batch=8, pp=2, tp=1, precision="bf16")
     assert best.compute_s > min(c.compute_s for c in no_tp.candidates) / 2  # tp all-reduces
+
+
+@pytest.mark.usefixtures("no_default_group")
+def test_search_mesh():
+    """--search-mesh tries tp inside a node and pp over the layers (powers of two), with the
+    demo GPT's shipped plan and layout; every row it lists is a plan of its own mesh."""
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory="2MB")
+    result = plan(tiny_gpt, cluster=cluster, global_batch=8, precision="bf16", search_mesh=True)
+    assert result.notes[0] == "meshes tried (tp x pp): 1x1, 1x2, 2x1, 2x2"
+    meshes = {(c.estimate.settings.tp, c.estimate.settings.pp) for c in result.candidates}
+    assert meshes == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    speeds = [c.tokens_per_s for c in result.candidates]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in result.candidates:
+        s = c.estimate.settings
+        assert s.pp == 1 or s.stage < 3
+        assert s.tp_plan == ("gpt" if s.tp > 1 else None)
+    # the same mesh planned on its own gives the same rows
+    fixed = plan(tiny_gpt, cluster=cluster, global_batch=8, precision="bf16", tp=2,
+                 tp_plan="gpt", pp=2)
+    mine = [c for c in result.candidates if (c.estimate.settings.tp, c.estimate.settings.pp)
+            == (2, 2)]
+    assert [c.row(0) for c in mine] == [c.row(0) for c in fixed.candidates]
+    text = result.format(3)
+    assert "every tp x pp mesh below" in text and "note: meshes tried" in text
+    assert any(line.split()[:4] == ["#", "tp", "pp", "stage"] for line in text.splitlines())
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+
+
+@pytest.mark.usefixtures("no_default_group")
+def test_search_mesh_says_what_it_cannot_search():
+    result = plan(_mlp, cluster=Cluster(nodes=1, gpus_per_node=2, gpu_memory="1GB"),
+                  search_mesh=True, inputs="tests.test_plan:_mlp_inputs")
+    assert any(n.startswith("tp not searched: no shipped tensor-parallel plan matches "
+                            "Sequential") for n in result.notes)
+    # an nn.Sequential is its own layer list: pp is searched over its 4 layers
+    assert {c.estimate.settings.pp for c in result.candidates} == {1, 2}
+    bare = plan(params="1M", largest_unit="100K", seq_len=8, search_mesh=True,
+                cluster=Cluster(nodes=1, gpus_per_node=2, gpu_memory="1GB"))
+    assert "tp/pp not searched: a bare parameter count has no modules to split" in bare.notes
+
+
+def _mlp_inputs(micro_batch: int, seq_len: int | None):
+    return (torch.randn(micro_batch, 16),)
+
+
+def test_inferred_tp_plan():
+    from meshzero.estimate.mesh_search import inferred_tp_plan
+
+    assert inferred_tp_plan(tiny_gpt()) == "gpt"
+    assert inferred_tp_plan(_mlp()) is None
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf_models import _hf_config
+
+    with torch.device("meta"):
+        for kind, want in (("gpt2", "hf_gpt2"), ("llama", "llama")):
+            model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind))
+            assert inferred_tp_plan(model) == want
+
+
+@pytest.mark.usefixtures("no_default_group")
+def test_search_mesh_cli(capsys):
+    assert main(["plan", "tests.test_estimate:tiny_gpt", "--nodes", "2", "--gpus-per-node",
+                 "2", "--gpu-memory", "2MB", "--global-batch", "8", "--precision", "bf16",
+                 "--search-mesh", "--top", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "note: meshes tried (tp x pp): 1x1, 1x2, 2x1, 2x2" in text
+    rows = [line.split() for line in text.splitlines() if re.match(r"\s*\d+\s+[12]\s+[12]\s", line)]
+    assert {(r[1], r[2]) for r in rows} == {("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")}

@@ -103,9 +103,8 @@ def shipped_plan(plan: str | dict) -> dict:
     """``tensor_parallel.plan``: a shipped plan's name, or the plan itself."""
     if not isinstance(plan, str):
         return plan
-    from meshzero.parallel import plans
+    from meshzero.parallel.plans import SHIPPED_PLANS as shipped
 
-    shipped = {"gpt": plans.GPT_PLAN, "hf_gpt2": plans.GPT2_PLAN, "llama": plans.LLAMA_PLAN}
     if plan not in shipped:
         raise ValueError(f"tensor_parallel.plan = {plan!r} is not a shipped plan; valid: "
                          f"{', '.join(shipped)}, or a {{module pattern: style}} mapping")

@@ -18,7 +18,8 @@ result:
     offload  = PCIe copies of the gradient and parameter shards, the host optimizer step
                (cpu_adam_rate per node) and NVMe reads and writes (nvme_bw per node)
 
-Tensor/pipeline parallelism (tp, pp from the config or --tp/--pp) is kept as given: ZeRO
+Tensor/pipeline parallelism (tp, pp from the config or --tp/--pp) is kept as given, or with
+--search-mesh every tp inside a node and every pp is tried (estimate/mesh_search.py): ZeRO
 works over dp = world / (tp * pp) (psi is the largest pp rank's local count, the bandwidth
 inter-node when tp * dp exceeds a node); pp adds a bubble of pp - 1 micro-steps to compute
 (gpipe / 1f1b) and stages 0-2 only; tp adds 4 activation all-reduces per layer per
@@ -50,6 +51,7 @@ from meshzero.estimate.command import (
     pipeline_layout_arg,
 )
 from meshzero.estimate.core import Estimate, Estimator
+from meshzero.estimate.mesh_search import mesh_settings
 from meshzero.estimate.model import InputsFn, load_model
 from meshzero.estimate.report import fmt_bytes
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
@@ -156,7 +158,8 @@ class Candidate:
 
     def row(self, index: int) -> list[str]:
         e, s = self.estimate, self.estimate.settings
-        return [str(index), str(s.stage), s.offload_optimizer, s.offload_param,
+        return [str(index), str(s.tp), str(s.pp), str(s.stage), s.offload_optimizer,
+                s.offload_param,
                 str(s.micro_batch), str(s.grad_accum),
                 "on" if s.activation_checkpointing else "off", fmt_bytes(e.gpu_bytes),
                 fmt_bytes(e.host_bytes_per_node),
@@ -165,7 +168,7 @@ class Candidate:
                 si(self.tokens_per_s)]
 
 
-HEADER = ["#", "stage", "off.opt", "off.param", "micro", "gas", "ckpt", "GPU mem",
+HEADER = ["#", "tp", "pp", "stage", "off.opt", "off.param", "micro", "gas", "ckpt", "GPU mem",
           "host/node", "step", "compute", "comm", "offload", "tokens/s"]
 
 
@@ -179,6 +182,7 @@ class Plan:
     candidates: list[Candidate]  # fastest first
     considered: int
     notes: list[str] = field(default_factory=list)
+    searched_mesh: bool = False
 
     @property
     def best(self) -> Candidate:
@@ -204,8 +208,9 @@ class Plan:
             "",
             self.table(top),
             "",
-            f"{len(self.candidates)} of {self.considered} configurations fit (every stage and "
-            "offload choice; micro batches "
+            f"{len(self.candidates)} of {self.considered} configurations fit (every "
+            + ("tp x pp mesh below, " if self.searched_mesh else "")
+            + "stage and offload choice; micro batches "
             + ("dividing the global batch" if self.global_batch else "1, 2, 4, ...")
             + " up to the largest whose activations fit)"
             + (f"; the first {top} shown (--top 0 shows all)"
@@ -283,7 +288,7 @@ class Planner:
                     fits.append(self.timed(est))
         if not fits:
             raise ValueError(_nothing_fits(smallest, self.cluster))
-        fits.sort(key=lambda c: (-c.tokens_per_s, c.estimate.gpu_bytes))
+        fits.sort(key=_rank)
         spec = self.estimator.spec
         plan = Plan(spec.name, spec.num_params, self.cluster, self.assumptions,
                     self.global_batch, fits, considered)
@@ -311,6 +316,11 @@ class Planner:
             comm += pp_s
         offload = offload_seconds(states.layout, s, c, a)
         return Candidate(est, compute, comm, offload, tokens * s.grad_accum * dp)
+
+
+def _rank(c: Candidate) -> tuple[float, int]:
+    """Fastest first; of equally fast ones, the one that needs less GPU memory."""
+    return -c.tokens_per_s, c.estimate.gpu_bytes
 
 
 def _pressure(e: Estimate) -> float:
@@ -343,12 +353,16 @@ def plan(
     global_batch: int | None = None,
     assumptions: Assumptions | None = None,
     try_activation_checkpointing: bool = False,
+    search_mesh: bool = False,
+    pipeline_layout: Any = None,
     **settings: Any,
 ) -> Plan:
     """Every stage / offload / micro batch that fits ``cluster``, fastest first.
 
     ``config`` and ``settings`` fix what is not searched (precision, seq_len, buckets...);
-    ``try_activation_checkpointing`` also tries every configuration with it.
+    ``try_activation_checkpointing`` also tries every configuration with it; ``search_mesh``
+    also tries every tensor/pipeline-parallel size (estimate/mesh_search.py) instead of the
+    configured one; ``pipeline_layout`` is what ``initialize(pipeline_layout=...)`` would get.
     """
     cluster = cluster if cluster is not None else Cluster()
     spec = load_model(model, params=params, largest_unit=largest_unit, inputs=inputs)
@@ -357,19 +371,39 @@ def plan(
     base = settings_from_config(config, cluster.world_size, **settings)
     if global_batch is None and config is not None:
         global_batch = load_config(config).train_batch_size
-    return _plan(Estimator(spec, per_sample), base, cluster, assumptions or Assumptions(),
-                 global_batch, try_activation_checkpointing)
+    return _plan(Estimator(spec, per_sample, pipeline_layout), base, cluster,
+                 assumptions or Assumptions(), global_batch, try_activation_checkpointing,
+                 search_mesh)
 
 
 def _plan(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: Assumptions,
-          global_batch: int | None, try_checkpointing: bool) -> Plan:
+          global_batch: int | None, try_checkpointing: bool, search_mesh: bool = False) -> Plan:
     if base.seq_len is None:
         seq = estimator.spec.default_seq_len
         if seq is None and not estimator.spec.runnable:
             raise ValueError("a plan needs the tokens per sample for its FLOPs: give --seq-len")
         base = dataclasses.replace(base, seq_len=seq)
     options = (False, True) if try_checkpointing else (base.activation_checkpointing,)
-    return Planner(estimator, base, cluster, assumptions, global_batch).run(options)
+    if not search_mesh:
+        return Planner(estimator, base, cluster, assumptions, global_batch).run(options)
+    meshes, notes = mesh_settings(estimator.spec, base, cluster, estimator.pipeline_layout)
+    plans, failures = [], []
+    for mesh in meshes:
+        try:
+            plans.append(Planner(estimator, mesh, cluster, assumptions, global_batch).run(options))
+        except ValueError as exc:  # this mesh cannot run the model, or nothing fits on it
+            failures.append((mesh, exc))
+    if not plans:
+        raise failures[0][1]
+    result = plans[0]
+    result.candidates = sorted((c for p in plans for c in p.candidates), key=_rank)
+    result.considered = sum(p.considered for p in plans)
+    result.searched_mesh = True
+    result.notes = list(dict.fromkeys([
+        f"meshes tried (tp x pp): {', '.join(f'{m.tp}x{m.pp}' for m in meshes)}", *notes,
+        *(f"tp {m.tp} x pp {m.pp}: {str(exc).splitlines()[0]}" for m, exc in failures),
+        *(n for p in plans for n in p.notes)]))
+    return result
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -402,6 +436,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help=f"{text}, bytes/s (default {fmt_bytes(value)}/s)")
     g.add_argument("--cpu-adam-rate", type=float, default=defaults.cpu_adam_rate,
                    help=f"host optimizer elements/s per node (default {defaults.cpu_adam_rate:g})")
+    p.add_argument("--search-mesh", action="store_true",
+                   help="also try every tensor-parallel size inside a node and pipeline size "
+                        "(powers of two) instead of the configured --tp/--pp")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all; default 10)")
     p.add_argument("--write-config", default=None, metavar="FILE",
                    help="write the fastest configuration as a ds_config JSON")
@@ -428,7 +465,8 @@ def run(args: argparse.Namespace) -> int:
     if global_batch is None and args.config is not None:
         global_batch = load_config(args.config).train_batch_size
     result = _plan(Estimator(spec, per_sample, pipeline_layout_arg(args)), base, cluster,
-                   assumptions, global_batch, bool(args.activation_checkpointing))
+                   assumptions, global_batch, bool(args.activation_checkpointing),
+                   args.search_mesh)
     print(result.format(args.top))
     if args.write_config:
         raw = _raw_config(args.config)

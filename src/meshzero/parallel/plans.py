@@ -326,3 +326,8 @@ LLAMA_PLAN: dict[str, str | dict[str, Any]] = {
     "model.layers.*.mlp.down_proj": "rowwise",
     "lm_head": "colwise_gather",
 }
+
+# the plans ``tensor_parallel.plan`` names
+SHIPPED_PLANS: dict[str, dict[str, str | dict[str, Any]]] = {
+    "gpt": GPT_PLAN, "hf_gpt2": GPT2_PLAN, "llama": LLAMA_PLAN,
+}
