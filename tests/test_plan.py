@@ -160,7 +160,7 @@ def test_search_mesh():
             == (2, 2)]
     assert [c.row(0) for c in mine] == [c.row(0) for c in fixed.candidates]
     text = result.format(3)
-    assert "every tp x pp mesh below" in text and "note: meshes tried" in text
+    assert "every tp x pp mesh the notes name" in text and "note: meshes tried" in text
     assert any(line.split()[:4] == ["#", "tp", "pp", "stage"] for line in text.splitlines())
 
 
@@ -193,10 +193,18 @@ def test_inferred_tp_plan():
     transformers = pytest.importorskip("transformers")
     from tests.test_hf_models import _hf_config
 
+    from meshzero.estimate import Settings, load_model
+    from meshzero.estimate.mesh_search import mesh_settings
+
     with torch.device("meta"):
         for kind, want in (("gpt2", "hf_gpt2"), ("llama", "llama")):
             model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind))
             assert inferred_tp_plan(model) == want
+            # tp is searched with the inferred plan; pp needs a layout the model does not have
+            meshes, notes = mesh_settings(load_model(model), Settings(),
+                                          Cluster(nodes=1, gpus_per_node=2))
+            assert [(m.tp, m.pp, m.tp_plan) for m in meshes] == [(1, 1, None), (2, 1, want)]
+            assert any(n.startswith("pp not searched: no pipeline layout") for n in notes)
 
 
 @pytest.mark.usefixtures("no_default_group")

@@ -209,7 +209,7 @@ class Plan:
             self.table(top),
             "",
             f"{len(self.candidates)} of {self.considered} configurations fit (every "
-            + ("tp x pp mesh below, " if self.searched_mesh else "")
+            + ("tp x pp mesh the notes name, " if self.searched_mesh else "")
             + "stage and offload choice; micro batches "
             + ("dividing the global batch" if self.global_batch else "1, 2, 4, ...")
             + " up to the largest whose activations fit)"

@@ -40,8 +40,11 @@ def _pipeline_layers(spec: ModelSpec, base: Settings, given) -> int | None:
     from meshzero.estimate.mesh import pipeline_layout_of
     from meshzero.parallel.pipeline_split import layer_list
 
+    layout = pipeline_layout_of(spec, base, given)
+    if not layout.layers and not isinstance(spec.model, nn.Sequential):
+        return None  # only an nn.Sequential is its own layer list
     try:
-        return len(layer_list(spec.model, pipeline_layout_of(spec, base, given)))
+        return len(layer_list(spec.model, layout))
     except ValueError:
         return None
 
