@@ -10,6 +10,10 @@ A checkpoint is one directory per tag::
         rank00001.safetensors  ...
         shared.safetensors     buffers (written once, by rank 0)
 
+Rank files are named by data-parallel rank. With tensor or pipeline parallelism the tag holds
+one such directory per (pp, tp) piece of the model, ``pp{p}_tp{t}/``, under a manifest that
+names them (see checkpoint_mesh).
+
 Tensor keys inside the rank files name what they hold, so reading needs no layout:
 
     "{param}|{start}:{end}|master"        fp32 values of elements [start, end) of the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,27 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def param_targets(engine: Engine, *, for_load: bool
+                  ) -> Iterator[tuple[torch.Tensor, str, int, int]]:
+    """``(flat view, name, start, end)`` for every fragment whose values this rank saves
+    (its owned range) or loads (the owned range; for resident frozen groups the whole
+    buffer, which no all-gather refills)."""
+    for group in engine.zero.groups:
+        lo, hi = group.owned
+        if group.trainable:
+            target = group.master
+        elif group.sharded:  # frozen, stage 3: the shard is the owned range
+            target = group.shard
+        elif for_load:
+            lo, hi = 0, group.layout.padded_numel
+            target = group.full
+        else:
+            target = group.full[lo:hi]
+        for frag in group.layout.fragments(lo, hi):
+            a = frag.local_offset
+            yield target[a:a + frag.numel], frag.slot.name, frag.start, frag.end
 
 
 # -- optimizer -------------------------------------------------------------------------------

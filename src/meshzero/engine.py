@@ -164,14 +164,6 @@ class Engine(nn.Module):
                 f"{self.topology.dp_size}): the micro-batches of one pipeline step are its "
                 "accumulation steps")
 
-    def _check_checkpointable(self, what: str) -> None:
-        t = self.topology
-        if t.tp_size > 1 or t.pp_size > 1 or self.replica_comm is not None:
-            raise ValueError(
-                f"{what} does not support tensor_parallel.size {t.tp_size}, pipeline_parallel"
-                f".size {t.pp_size} or zero_optimization.mics_shard_size yet: its files hold "
-                "data-parallel shards of one model replica; use full_state_dict() per rank")
-
     def _shard_comms(self, mics: int) -> tuple[Communicator, Communicator | None]:
         """MiCS / hybrid sharding: shard over blocks of ``mics`` dp ranks, all-reduce the
         gradient shards across the blocks."""
@@ -384,28 +376,27 @@ class Engine(nn.Module):
         ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
         from meshzero import checkpoint
 
-        self._check_checkpointable("save_checkpoint")
         with self.zero.materialized():
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
-        """Load a tag (default: ``latest``) saved at any world size and stage; collective.
-        Returns ``(path, client_state)``, or ``(None, None)`` if there is no ``latest``."""
+        """Load a tag (default: ``latest``) saved at any data-parallel size and stage, with
+        the same tensor and pipeline parallel sizes; collective. Returns ``(path,
+        client_state)``, or ``(None, None)`` if there is no ``latest``."""
         from meshzero import checkpoint
 
-        self._check_checkpointable("load_checkpoint")
         with self.zero.materialized(write_back=True):
             return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                               load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir: str | os.PathLike,
                          save_filename: str = "model.safetensors") -> str | None:
-        """The full model in the compute dtype as safetensors; collective, rank 0 writes."""
+        """The full model in the compute dtype as safetensors; collective (one file per
+        pipeline stage, with an index, when pp > 1)."""
         from meshzero import checkpoint
 
-        self._check_checkpointable("save_16bit_model")
         with self.zero.materialized():
             return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
@@ -414,7 +405,6 @@ class Engine(nn.Module):
         fragments; collective. Pickle files are refused."""
         from meshzero import checkpoint
 
-        self._check_checkpointable("load_weights")
         with self.zero.materialized(write_back=True):
             checkpoint.load_weights(self, path)
 

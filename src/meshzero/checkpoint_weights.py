@@ -1,0 +1,274 @@
+"""Whole-model weight files: a checkpoint consolidated into one model file, a live engine's
+model in the compute dtype, and pretrained weights loaded into a sharded engine; on any mesh
+(tp slices are put together or cut, pipeline stages side by side).
+
+    consolidate       checkpoint -> model.safetensors (or shards + index), one CPU process
+    save_16bit_model  live engine -> model.safetensors in the compute dtype (one writer per
+                      pipeline stage; with pp > 1 one file per stage and an index)
+    load_weights      model.safetensors (or index) -> the sharded engine, each rank reading
+                      only its fragments (a tp-sharded parameter: read whole, then cut)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from meshzero.checkpoint_io import (
+    CheckpointReader,
+    TensorSpec,
+    dtype_from_name,
+    read_manifest,
+    resolve_tag,
+    write_json,
+)
+from meshzero.checkpoint_mesh import on_all_ranks, piece_name, tensor_parallel_layouts
+from meshzero.checkpoint_state import ModelNames, model_names, param_targets
+from meshzero.comm import Communicator
+from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
+from meshzero.weights_io import INDEX_SUFFIX, WeightsReader, parse_size, write_model_files
+
+if TYPE_CHECKING:
+    from meshzero.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- whole-model weight files ----------------------------------------------------------------
+def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                tag: str | None = None, dtype: str | torch.dtype = "fp32",
+                max_shard_size: str | int = "5GB") -> list[Path]:
+    """Write a checkpoint's full model as safetensors under the model's state_dict names
+    (tied names as copies), sharded with ``model.safetensors.index.json`` above
+    ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
+    side by side, tensor-parallel slices concatenated as they were cut. One process, no
+    distributed; memory: one parameter (all its tp slices) at a time."""
+    directory = resolve_tag(ckpt_dir, tag)
+    if directory is None:
+        raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")
+    out_dtype = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else dtype
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    max_bytes = parse_size(max_shard_size)
+    top = read_manifest(directory)
+    tp, pp = top.get("mesh", {}).get("tp", 1), top.get("mesh", {}).get("pp", 1)
+    if "pieces" in top:
+        pieces = {(p, t): directory / piece_name(p, t) for p in range(pp) for t in range(tp)}
+        manifests = {key: read_manifest(where) for key, where in pieces.items()}
+    else:
+        pieces, manifests = {(0, 0): directory}, {(0, 0): top}
+    specs, sources = [], []  # source: (pp rank, key, local shape or None (a buffer), layout)
+    seen = set()
+    for p in range(pp):
+        manifest = manifests[(p, 0)]
+        layouts = manifest.get("tensor_parallel", {})
+        for name in manifest["state_dict"]:
+            if name in seen:  # a tensor tied across stages: written once
+                continue
+            seen.add(name)
+            if name in manifest["buffers"]:
+                info = manifest["buffers"][name]
+                saved = dtype_from_name(info["dtype"])
+                sources.append((p, f"{name}|buffer", None, None))
+                specs.append(TensorSpec(name, out_dtype if saved.is_floating_point else saved,
+                                        tuple(info["shape"])))
+                continue
+            src = manifest["aliases"].get(name, name)
+            shape = tuple(manifest["params"][src]["shape"])
+            layout = ShardLayout(**layouts[name]) if name in layouts else None
+            sources.append((p, src, shape, layout))
+            specs.append(TensorSpec(name, out_dtype, _full_shape(shape, layout, tp)))
+    with contextlib.ExitStack() as stack:
+        readers = {key: stack.enter_context(CheckpointReader(pieces[key], manifests[key]))
+                   for key in pieces}
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for spec, (p, src, shape, layout) in zip(specs, sources, strict=True):
+                if shape is None:
+                    t = readers[(p, 0)].read_whole(src)
+                else:
+                    numel = int(torch.Size(shape).numel())
+                    slices = [readers[(p, q)].read(src, "master", 0, numel).view(shape)
+                              for q in range(tp if layout is not None else 1)]
+                    t = slices[0] if layout is None else unshard_tensor(slices, layout)
+                yield spec.name, t.to(spec.dtype)
+
+        return write_model_files(out_dir, specs, tensors(), max_shard_bytes=max_bytes)
+
+
+def _full_shape(shape: tuple[int, ...], layout: ShardLayout | None, tp: int
+                ) -> tuple[int, ...]:
+    """The whole tensor's shape from one tp slice's (see ShardLayout)."""
+    if layout is None:
+        return shape
+    full = list(shape)
+    full[layout.dim] *= tp
+    return tuple(reversed(full)) if layout.transposed else tuple(full)
+
+
+def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
+                     save_filename: str = "model.safetensors") -> str | None:
+    """The full model in the compute dtype (fp32 when training in fp32) as safetensors under
+    the model's own names; collective (each ZeRO group is gathered in turn, tp slices are
+    all-gathered and put together). One rank per pipeline stage writes (tp rank 0, dp rank
+    0): with pp > 1 each stage is one shard ``{stem}-0000{p+1}-of-0000{P}.safetensors`` under
+    ``{save_filename}.index.json``. Returns the file (or index) on world rank 0, else None."""
+    if not save_filename.endswith(".safetensors") or Path(save_filename).name != save_filename:
+        raise ValueError(f"save_filename {save_filename!r} must be a plain name ending in "
+                         ".safetensors")
+    names = model_names(engine)
+    dtype = engine.compute_dtype
+    t = engine.topology
+    layouts = _layouts(engine)
+    tp_comm = Communicator(t.groups["tp"], "tp", engine.comm_stats) if layouts else None
+    specs = []
+    for group in engine.zero.groups:
+        for slot in group.layout.slots:
+            shape = _full_shape(slot.shape, layouts.get(slot.name), t.tp_size)
+            for name in [slot.name, *names.aliases_of(slot.name)]:
+                specs.append(TensorSpec(name, dtype, shape))
+    out_dtype = {n: dtype if b.is_floating_point() else b.dtype for n, b in names.buffers.items()}
+    specs += [TensorSpec(n, out_dtype[n], tuple(b.shape)) for n, b in names.buffers.items()]
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for group in engine.zero.groups:
+            flat = engine.zero.full_fp32(group)  # collective at stages 1-3
+            for slot in group.layout.slots:
+                value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if slot.name in layouts:  # collective over tp
+                    value = _gather_tp(value, layouts[slot.name], tp_comm, engine.device)
+                for name in [slot.name, *names.aliases_of(slot.name)]:
+                    yield name, value.to(dtype)
+        for name, buf in names.buffers.items():
+            yield name, buf.detach().to(out_dtype[name])
+
+    stream = gathered()
+    stem = save_filename.removesuffix(".safetensors")
+    files = [save_filename] if t.pp_size == 1 else [
+        f"{stem}-{p + 1:05d}-of-{t.pp_size:05d}.safetensors" for p in range(t.pp_size)]
+
+    def write() -> None:
+        try:
+            if t.coords["tp"] == 0 and t.dp_rank == 0:
+                write_model_files(save_dir, specs, stream, filename=files[t.coords["pp"]])
+        finally:
+            for _ in stream:  # keep taking part in the gathers, whatever happened here
+                pass
+
+    on_all_ranks(engine, "save_16bit_model", write)
+    path = Path(save_dir) / save_filename
+    if t.pp_size > 1:
+        path = Path(save_dir) / (save_filename + INDEX_SUFFIX)
+        on_all_ranks(engine, "save_16bit_model index",
+                     lambda: _write_index(Path(save_dir), files, path) if t.rank == 0 else None)
+    return str(path) if t.rank == 0 else None
+
+
+def _layouts(engine: Engine) -> dict[str, ShardLayout]:
+    if engine.topology.tp_size == 1:
+        return {}
+    return {name: ShardLayout(**fields)
+            for name, fields in tensor_parallel_layouts(engine.module).items()}
+
+
+def _gather_tp(local: torch.Tensor, layout: ShardLayout, comm: Communicator,
+               device: torch.device) -> torch.Tensor:
+    """The whole tensor (CPU) from every tp rank's slice ``local``; collective over tp."""
+    shard = local.to(device).contiguous().reshape(-1)
+    out = torch.empty(comm.size * shard.numel(), dtype=shard.dtype, device=device)
+    comm.all_gather(out, shard).wait()
+    return unshard_tensor(list(out.cpu().view(comm.size, *local.shape).unbind(0)), layout)
+
+
+def _write_index(save_dir: Path, files: list[str], path: Path) -> None:
+    """The Hugging Face index over the stages' files (read back from their headers)."""
+    weight_map, total = {}, 0
+    for name in files:
+        file = save_dir / name
+        with open(file, "rb") as f:
+            header = struct.unpack("<Q", f.read(8))[0]
+        total += file.stat().st_size - 8 - header
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                weight_map.setdefault(key, name)
+    write_json(path, {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+
+
+def load_weights(engine: Engine, path: str | os.PathLike) -> None:
+    """Load ``model.safetensors`` (a file, an index, or a directory holding one) into the
+    sharded engine; collective. Each rank reads only the rows holding its fragments; under
+    tensor parallelism a tp-sharded parameter is read whole and cut to the rank's slice,
+    and under pipeline parallelism each rank takes its stages' names."""
+    names = model_names(engine)
+    t = engine.topology
+    layouts = _layouts(engine)
+
+    def validate() -> tuple[WeightsReader, dict[str, str]]:
+        reader = WeightsReader(path)
+        return reader, _match_weights(engine, names, reader, str(path), layouts)
+
+    reader, source = on_all_ranks(engine, "load_weights validation", validate)
+
+    def read() -> None:
+        with torch.no_grad():
+            for view, name, start, end in param_targets(engine, for_load=True):
+                if name in layouts:  # the full tensor, cut as tensor parallelism cut it
+                    full = reader.read_whole(source[name])
+                    full = full.t() if layouts[name].transposed else full
+                    local = shard_tensor(full, layouts[name], t.tp_size, t.coords["tp"])
+                    view.copy_(local.reshape(-1)[start:end])
+                else:
+                    view.copy_(reader.read(source[name], start, end))
+            for name, buf in names.buffers.items():
+                buf.copy_(reader.read_whole(name))
+
+    on_all_ranks(engine, "load_weights", read)
+    engine.zero.optim_state.sync_params()
+    logger.info("loaded weights from %s", path)
+
+
+def _match_weights(engine: Engine, names: ModelNames, reader: WeightsReader, where: str,
+                   layouts: dict[str, ShardLayout]) -> dict[str, str]:
+    """``{canonical param: name in the file}`` (a tied parameter may be stored under any of
+    its names, also those of another pipeline stage); ValueError listing missing and
+    unexpected names and shape mismatches (a tp slice is compared by its whole shape)."""
+    present = set(reader.names())
+    model_order = set(names.order)
+    tied: dict[str, tuple[str, ...]] = {}
+    if engine.pipeline is not None:  # the other stages' names are expected in the file
+        model_order = set(engine.pipeline.state_dict_keys)
+        tied = {n: t.names for t in engine.pipeline.tied_parameters for n in t.names}
+    tp = engine.topology.tp_size
+    source, missing, mismatched = {}, [], []
+    for name, slot in engine.zero.layout.slots.items():
+        candidates = [name, *names.aliases_of(name), *tied.get(name, ())]
+        found = [n for n in candidates if n in present]
+        if not found:
+            missing.append(name)
+            continue
+        source[name] = found[0]
+        shape = _full_shape(slot.shape, layouts.get(name), tp)
+        if reader.shapes[found[0]] != shape:
+            mismatched.append(f"{found[0]}: file {reader.shapes[found[0]]}, model {shape}")
+    for name, buf in names.buffers.items():
+        if name not in present:
+            missing.append(name)
+        elif reader.shapes[name] != tuple(buf.shape):
+            mismatched.append(f"{name}: file {reader.shapes[name]}, model {tuple(buf.shape)}")
+    unexpected = sorted(present - model_order)
+    if missing or unexpected or mismatched:
+        raise ValueError(f"weights {where} do not match the model:\n"
+                         f"  missing (in the model, not in the file): {missing}\n"
+                         f"  unexpected (in the file, not in the model): {unexpected}\n"
+                         f"  shape mismatches: {mismatched}")
+    return source
