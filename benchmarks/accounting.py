@@ -20,12 +20,10 @@ step counter per fragment, so they sit slightly above the formulas.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 
 import torch
+from _torchrun import print_result, run_ranks
 from torch import nn
 
 
@@ -54,8 +52,8 @@ def worker(args: argparse.Namespace) -> None:
         engine.backward(engine(x).float().pow(2).mean())
         engine.step()
     if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps({"psi": psi, "memory": engine.memory_report(),
-                                      "comm": engine.comm_report()}))
+        print_result({"psi": psi, "memory": engine.memory_report(),
+                      "comm": engine.comm_report()})
     torch.distributed.destroy_process_group()
 
 
@@ -80,15 +78,9 @@ def run(args: argparse.Namespace) -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stage in args.stages:
         for n in args.world_sizes:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={n}", __file__, "--worker", "--stage", str(stage),
-                   "--dim", str(args.dim), "--blocks", str(args.blocks)]
-            if args.bf16:
-                cmd.append("--bf16")
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-            res = json.loads(line[len("RESULT "):])
+            res = run_ranks(__file__, n, ["--stage", str(stage), "--dim", str(args.dim),
+                                          "--blocks", str(args.blocks)]
+                            + (["--bf16"] if args.bf16 else []))
             mem = {k: v["device"] for k, v in res["memory"].items() if isinstance(v, dict)}
             states = sum(mem.values())
             comm = sum(v["bytes"] for v in res["comm"].values())

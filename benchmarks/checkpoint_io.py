@@ -15,17 +15,15 @@ cache. The consolidate column is one process writing model.safetensors (fp32) fr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _torchrun import print_result, run_ranks
 from torch import nn
 
 
@@ -70,10 +68,10 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         consolidate(root, root / "consolidated")
         consolidate_s = time.perf_counter() - t0
-        print("RESULT " + json.dumps({
+        print_result({
             "psi": psi, "states_per_rank": states, "save_s": statistics.median(saves),
             "load_s": statistics.median(loads), "size": size,
-            "files": len(list(tag_dir.iterdir())), "consolidate_s": consolidate_s}))
+            "files": len(list(tag_dir.iterdir())), "consolidate_s": consolidate_s})
     torch.distributed.destroy_process_group()
 
 
@@ -83,19 +81,12 @@ def run(args: argparse.Namespace) -> None:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for n in args.world_sizes:
         directory = tempfile.mkdtemp(prefix=f"ckpt_w{n}_", dir=args.dir)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={n}", __file__, "--worker", "--stage", str(args.stage),
-               "--dim", str(args.dim), "--blocks", str(args.blocks), "--reps", str(args.reps),
-               "--dir", directory]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-        except subprocess.CalledProcessError as exc:
-            sys.exit(f"world size {n} failed:\n{exc.stdout}\n{exc.stderr}")
+            r = run_ranks(__file__, n, ["--stage", str(args.stage), "--dim", str(args.dim),
+                                        "--blocks", str(args.blocks), "--reps", str(args.reps),
+                                        "--dir", directory])
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-        r = json.loads(line[len("RESULT "):])
         mb = r["size"] / 1e6
         rows.append(f"| {n} | {r['psi']} | {r['states_per_rank'] / 1e6:.1f} | {mb:.1f} | "
                     f"{r['files']} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
