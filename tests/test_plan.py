@@ -191,10 +191,9 @@ def test_inferred_tp_plan():
     assert inferred_tp_plan(tiny_gpt()) == "gpt"
     assert inferred_tp_plan(_mlp()) is None
     transformers = pytest.importorskip("transformers")
-    from tests.test_hf_models import _hf_config
-
     from meshzero.estimate import Settings, load_model
     from meshzero.estimate.mesh_search import mesh_settings
+    from tests.test_hf_models import _hf_config
 
     with torch.device("meta"):
         for kind, want in (("gpt2", "hf_gpt2"), ("llama", "llama")):
