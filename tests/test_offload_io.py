@@ -222,6 +222,8 @@ def test_nvme_lowers_peak_rss_by_the_optimizer_states(tmp_path):
         out[tier] = json.loads(proc.stdout.strip().splitlines()[-1])
     drop = out["cpu"]["peak_rss"] - out["nvme"]["peak_rss"]
     states = out["cpu"]["optimizer_state_bytes"]  # 201 MB of Adam m and v
+    print(f"peak RSS cpu {out['cpu']['peak_rss']:,} B, nvme {out['nvme']['peak_rss']:,} B: "
+          f"drop {drop:,} B = {drop / states:.2f}x the {states:,} B of Adam states")  # -s
     assert drop >= 0.8 * states, (out, drop / states)
 
 
