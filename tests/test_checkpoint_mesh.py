@@ -22,9 +22,8 @@ from meshzero.demo.gpt import loss_fn as gpt_loss
 from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
-from tests.models import split_for_rank
 from tests.test_checkpoint import WARMUP
-from tests.test_mesh_parallel import ATOL, _full_params
+from tests.test_mesh_parallel import ATOL, _full_params, train_steps
 from tests.test_pipeline import GPT_CFG
 
 STEPS, SAVE_AFTER = 4, 2  # train 2 steps, save, train 2 more
@@ -66,22 +65,7 @@ def _engine(world_size: int, stage: int, tp: int, pp: int, mics: int, seed: int 
 def _train(engine, steps: range) -> list[float]:
     """This rank's loss of each step (the mean over its micro-batches)."""
     batches = _batches()
-    dp, dp_rank = engine.topology.dp_size, engine.topology.dp_rank
-    losses = []
-    for i in steps:
-        micro = [split_for_rank(batches[i], dp_rank, dp, GRAD_ACCUM, m)
-                 for m in range(GRAD_ACCUM)]
-        if engine.pipeline is not None:
-            losses.append(engine.train_batch(iter(micro)).item())
-            continue
-        total = 0.0
-        for x, y in micro:
-            loss = gpt_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / GRAD_ACCUM
-        losses.append(total)
-    return losses
+    return train_steps(engine, [batches[i] for i in steps], gpt_loss, GRAD_ACCUM)
 
 
 def _save_runs(rank: int, world_size: int, root: str) -> dict:

@@ -60,12 +60,21 @@ def _run(rank: int, world_size: int, kind: str, stage: int, tp: int, pp: int,
     engine, *_ = meshzero.initialize(model=factory(), config=cfg, loss_fn=loss,
                                      example_inputs=batches[0][0][:micro],
                                      pipeline_layout=layout)
-    dp_rank = engine.topology.dp_rank
+    losses = train_steps(engine, batches, loss, grad_accum)
+    params = _full_params(engine)
+    return {"losses": losses, "params": params, "memory": engine.memory_report(),
+            "held": engine.zero.held_numel()}
+
+
+def train_steps(engine, batches, loss, grad_accum: int) -> list[float]:
+    """One optimizer step per global batch (this rank's dp share, in grad_accum micro-batches,
+    through train_batch under a pipeline); this rank's loss of each step."""
+    dp, dp_rank = engine.topology.dp_size, engine.topology.dp_rank
     losses = []
     for batch in batches:
         micro_batches = [split_for_rank(batch, dp_rank, dp, grad_accum, m)
                          for m in range(grad_accum)]
-        if pp > 1:
+        if engine.pipeline is not None:
             losses.append(engine.train_batch(iter(micro_batches)).item())
             continue
         total = 0.0
@@ -75,9 +84,7 @@ def _run(rank: int, world_size: int, kind: str, stage: int, tp: int, pp: int,
             engine.step()
             total += out.item() / grad_accum
         losses.append(total)
-    params = _full_params(engine)
-    return {"losses": losses, "params": params, "memory": engine.memory_report(),
-            "held": engine.zero.held_numel()}
+    return losses
 
 
 def _full_params(engine) -> dict[str, torch.Tensor]:
