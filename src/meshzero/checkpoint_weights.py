@@ -28,13 +28,19 @@ from meshzero.checkpoint_io import (
     dtype_from_name,
     read_manifest,
     resolve_tag,
-    write_json,
 )
 from meshzero.checkpoint_mesh import on_all_ranks, piece_name, tensor_parallel_layouts
 from meshzero.checkpoint_state import ModelNames, model_names, param_targets
 from meshzero.comm import Communicator
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
-from meshzero.weights_io import INDEX_SUFFIX, WeightsReader, parse_size, write_model_files
+from meshzero.weights_io import (
+    INDEX_SUFFIX,
+    WeightsReader,
+    parse_size,
+    shard_file_names,
+    write_index,
+    write_model_files,
+)
 
 if TYPE_CHECKING:
     from meshzero.engine import Engine
@@ -153,9 +159,7 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
             yield name, buf.detach().to(out_dtype[name])
 
     stream = gathered()
-    stem = save_filename.removesuffix(".safetensors")
-    files = [save_filename] if t.pp_size == 1 else [
-        f"{stem}-{p + 1:05d}-of-{t.pp_size:05d}.safetensors" for p in range(t.pp_size)]
+    files = shard_file_names(save_filename, t.pp_size)
 
     def write() -> None:
         try:
@@ -169,8 +173,8 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
     path = Path(save_dir) / save_filename
     if t.pp_size > 1:
         path = Path(save_dir) / (save_filename + INDEX_SUFFIX)
-        on_all_ranks(engine, "save_16bit_model index",
-                     lambda: _write_index(Path(save_dir), files, path) if t.rank == 0 else None)
+        on_all_ranks(engine, "save_16bit_model index", lambda: _write_index(
+            Path(save_dir), save_filename, files) if t.rank == 0 else None)
     return str(path) if t.rank == 0 else None
 
 
@@ -190,18 +194,18 @@ def _gather_tp(local: torch.Tensor, layout: ShardLayout, comm: Communicator,
     return unshard_tensor(list(out.cpu().view(comm.size, *local.shape).unbind(0)), layout)
 
 
-def _write_index(save_dir: Path, files: list[str], path: Path) -> None:
-    """The Hugging Face index over the stages' files (read back from their headers)."""
+def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:
+    """The Hugging Face index over the stages' files, each written by its own stage: names
+    and sizes are read back from the files."""
     weight_map, total = {}, 0
     for name in files:
         file = save_dir / name
-        with open(file, "rb") as f:
-            header = struct.unpack("<Q", f.read(8))[0]
-        total += file.stat().st_size - 8 - header
+        with open(file, "rb") as f:  # the tensor bytes: all but the 8-byte length and header
+            total += file.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 weight_map.setdefault(key, name)
-    write_json(path, {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    write_index(save_dir, filename, weight_map, total)
 
 
 def load_weights(engine: Engine, path: str | os.PathLike) -> None:

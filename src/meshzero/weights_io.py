@@ -65,6 +65,22 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[li
     return shards
 
 
+def shard_file_names(filename: str, count: int) -> list[str]:
+    """``model.safetensors`` for one file, else ``model-00001-of-0000N.safetensors`` ..."""
+    stem = filename.removesuffix(".safetensors")
+    return [filename] if count == 1 else [
+        f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(out_dir: Path, filename: str, weight_map: dict[str, str], total_size: int
+                ) -> Path:
+    """The Hugging Face ``{filename}.index.json`` over shard files; returns its path."""
+    path = out_dir / (filename + INDEX_SUFFIX)
+    write_json(path, {"metadata": {"total_size": total_size}, "weight_map": weight_map},
+               indent=2)
+    return path
+
+
 def write_model_files(
     out_dir: str | os.PathLike,
     specs: list[TensorSpec],
@@ -80,9 +96,7 @@ def write_model_files(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(specs, max_shard_bytes)
-    stem = filename.removesuffix(".safetensors")
-    names = ([filename] if len(shards) == 1 else
-             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = shard_file_names(filename, len(shards))
     stream = iter(tensors)
     paths = []
     for name, shard in zip(names, shards, strict=True):
@@ -90,11 +104,9 @@ def write_model_files(
         write_safetensors(out_dir / name, shard, take, metadata={"format": "pt"})
         paths.append(out_dir / name)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                 "weight_map": {s.name: n for n, shard in zip(names, shards, strict=True)
-                                for s in shard}}
-        paths.append(out_dir / (filename + INDEX_SUFFIX))
-        write_json(paths[-1], index, indent=2)
+        paths.append(write_index(out_dir, filename, {
+            s.name: n for n, shard in zip(names, shards, strict=True) for s in shard},
+            sum(s.nbytes for s in specs)))
     logger.info("wrote %d weight file(s) to %s", len(paths), out_dir)
     return paths
 
