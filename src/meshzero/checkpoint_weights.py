@@ -31,8 +31,8 @@ from meshzero.checkpoint_io import (
 )
 from meshzero.checkpoint_mesh import on_all_ranks, piece_name, tensor_parallel_layouts
 from meshzero.checkpoint_state import ModelNames, model_names, param_targets
-from meshzero.comm import Communicator
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
+from meshzero.parallel.tensor import gather_tp_tensor
 from meshzero.weights_io import (
     INDEX_SUFFIX,
     WeightsReader,
@@ -136,7 +136,6 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
     dtype = engine.compute_dtype
     t = engine.topology
     layouts = _layouts(engine)
-    tp_comm = Communicator(t.groups["tp"], "tp", engine.comm_stats) if layouts else None
     specs = []
     for group in engine.zero.groups:
         for slot in group.layout.slots:
@@ -152,7 +151,8 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
             for slot in group.layout.slots:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 if slot.name in layouts:  # collective over tp
-                    value = _gather_tp(value, layouts[slot.name], tp_comm, engine.device)
+                    value = gather_tp_tensor(value.to(engine.device), layouts[slot.name],
+                                             t.groups["tp"]).cpu()
                 for name in [slot.name, *names.aliases_of(slot.name)]:
                     yield name, value.to(dtype)
         for name, buf in names.buffers.items():
@@ -183,15 +183,6 @@ def _layouts(engine: Engine) -> dict[str, ShardLayout]:
         return {}
     return {name: ShardLayout(**fields)
             for name, fields in tensor_parallel_layouts(engine.module).items()}
-
-
-def _gather_tp(local: torch.Tensor, layout: ShardLayout, comm: Communicator,
-               device: torch.device) -> torch.Tensor:
-    """The whole tensor (CPU) from every tp rank's slice ``local``; collective over tp."""
-    shard = local.to(device).contiguous().reshape(-1)
-    out = torch.empty(comm.size * shard.numel(), dtype=shard.dtype, device=device)
-    comm.all_gather(out, shard).wait()
-    return unshard_tensor(list(out.cpu().view(comm.size, *local.shape).unbind(0)), layout)
 
 
 def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:

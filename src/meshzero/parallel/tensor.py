@@ -307,21 +307,27 @@ def gather_tensor_parallel_state_dict(model: nn.Module, tp_group: dist.ProcessGr
                 owners[f"{prefix}.{name}" if prefix else name] = (getattr(module, name), layout)
     full_of: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     out: dict[str, torch.Tensor] = {}
-    n = group_size(tp_group)
     for key, value in model.state_dict(keep_vars=True).items():
         if key not in owners:
             out[key] = value.detach().clone()
             continue
         shard, layout = owners[key]
         if id(shard) not in full_of:
-            shards = [torch.empty_like(shard) for _ in range(n)]
-            if n == 1:
-                shards = [shard.detach()]
-            else:
-                dist.all_gather(shards, shard.detach().contiguous(), group=tp_group)
-            full_of[id(shard)] = unshard_tensor(shards, layout)
+            full_of[id(shard)] = gather_tp_tensor(shard, layout, tp_group)
         out[key] = full_of[id(shard)]
     return out
+
+
+def gather_tp_tensor(shard: torch.Tensor, layout: ShardLayout,
+                     tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole tensor from every tp rank's ``shard`` (its original shape and orientation);
+    collective over ``tp_group``."""
+    shard = shard.detach().contiguous()
+    n = group_size(tp_group)
+    shards = [shard] if n == 1 else [torch.empty_like(shard) for _ in range(n)]
+    if n > 1:
+        dist.all_gather(shards, shard, group=tp_group)
+    return unshard_tensor(shards, layout)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str | Mapping[str, Any]],
