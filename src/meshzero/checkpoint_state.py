@@ -31,9 +31,9 @@ from meshzero.log import warn_once
 if TYPE_CHECKING:
     from meshzero.engine import Engine
 
-try:  # numpy's global RNG is saved when numpy is installed
+try:  # numpy is a declared dependency; the guard keeps a broken install loadable
     import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with torch wheels
+except ImportError:  # pragma: no cover
     np = None
 
 logger = logging.getLogger(__name__)
