@@ -1,7 +1,4 @@
-"""Turning config problems into one readable error: dotted keys, values given, what is valid.
-
-Also the table of DeepSpeed keys that meshzero knows but does not implement yet.
-"""
+"""Turning config problems into one readable error: dotted keys, values given, what is valid."""
 
 from __future__ import annotations
 
@@ -14,72 +11,15 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import ErrorDetails
 
+from meshzero.config.unsupported import UNSUPPORTED_KEYS
+
 
 class ConfigError(ValueError):
     """A config meshzero cannot run; the message lists every problem, one per line."""
 
 
-class _Invalid(ValueError):
+class InvalidValue(ValueError):
     """A validator's complaint worded to follow "<key> = <value> ", e.g. "is not supported"."""
-
-
-# DeepSpeed keys meshzero recognises but does not implement yet: dotted key -> short note.
-# Remove an entry (and add the field to its model) when the feature lands.
-UNSUPPORTED_KEYS: dict[str, str] = {
-    "activation_checkpointing": "use torch.utils.checkpoint in the model instead",
-    "tensorboard": "monitoring backend",
-    "wandb": "monitoring backend",
-    "csv_monitor": "monitoring backend",
-    "comms_logger": "meshzero counts communication itself",
-    "amp": "NVIDIA apex AMP",
-    "pipeline": "DeepSpeed's PipelineModule config; use meshzero's pipeline_parallel",
-    "checkpoint": "checkpoint engine options",
-    "data_types": "gradient accumulation dtype",
-    "elasticity": "elastic training",
-    "autotuning": "autotuner",
-    "compression_training": "compression library",
-    "sparse_attention": "sparse attention kernels",
-    "zero_allow_untested_optimizer": "client optimizers",
-    "zero_force_ds_cpu_optimizer": "CPU offload",
-    "gradient_predivide_factor": "gradient pre-division",
-    "prescale_gradients": "gradient pre-scaling",
-    "dump_state": "state dump",
-    "data_efficiency": "data efficiency library",
-    "curriculum_learning": "curriculum learning",
-    "torch_autocast": "torch.autocast integration",
-    "sparse_gradients": "sparse gradients",
-    "memory_breakdown": "use engine.memory_report()",
-    "dataloader_drop_last": "DeepSpeed data loader",
-    "aio": "DeepSpeed's async I/O tuning; meshzero's NVMe tier uses os.pread/pwrite threads",
-    "eigenvalue": "eigenvalue computation",
-    "progressive_layer_drop": "progressive layer drop",
-    "hybrid_engine": "RLHF hybrid engine",
-    "compile": "torch.compile integration",
-    "zero_optimization.cpu_offload": "CPU offload (spell it offload_optimizer.device 'cpu')",
-    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload",
-    "zero_optimization.offload_optimizer.pipeline": "meshzero always overlaps NVMe I/O",
-    "zero_optimization.offload_optimizer.pipeline_read": "meshzero always overlaps NVMe I/O",
-    "zero_optimization.offload_optimizer.pipeline_write": "meshzero always overlaps NVMe I/O",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
-    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS",
-    "zero_optimization.round_robin_gradients": "round-robin gradients",
-    "zero_optimization.elastic_checkpoint": "elastic checkpoints",
-    "zero_optimization.load_from_fp32_weights": "checkpoint loading option",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "16-bit model save",
-    "zero_optimization.gather_16bit_weights_on_model_save": "16-bit model save",
-    "zero_optimization.ignore_unused_parameters": "unused parameters are always handled",
-    "zero_optimization.legacy_stage1": "legacy stage 1",
-    "zero_optimization.memory_efficient_linear": "memory-efficient linear",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "multi-rank bucket all-reduce",
-    "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
-    "zero_optimization.log_trace_cache_warnings": "trace cache warnings",
-    "fp16.auto_cast": "fp16 autocast of inputs",
-    "fp16.consecutive_hysteresis": "consecutive hysteresis",
-    "fp16.fp16_master_weights_and_grads": "fp16 master weights",
-    "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
-}
 
 
 def read_json(path: Path) -> Any:
@@ -143,7 +83,7 @@ def describe(error: ErrorDetails, raw: dict[str, Any], root: type[BaseModel]) ->
         return str(cause) if cause is not None else error["msg"]
     if cause is not None and str(cause).startswith(key + "."):  # a cross-key check below key
         return str(cause)
-    if isinstance(cause, _Invalid):
+    if isinstance(cause, InvalidValue):
         return f"{key} = {_show(error['input'])} {cause}"
     return f"{key} = {_show(error['input'])}: {cause if cause is not None else error['msg']}"
 

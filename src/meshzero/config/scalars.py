@@ -1,10 +1,10 @@
-"""Strict scalar types and the base model shared by the config modules."""
+"""Strict scalar types and the base model shared by the config sections."""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
-from meshzero.config_errors import _Invalid
+from meshzero.config.errors import InvalidValue
 
 # --- strict scalar types -------------------------------------------------------------------
 
@@ -12,10 +12,10 @@ from meshzero.config_errors import _Invalid
 def _integral(value: Any) -> Any:
     """Accept 5e8 (JSON gives 500000000.0) as an int; refuse bools and fractional floats."""
     if isinstance(value, bool):
-        raise _Invalid("is a boolean; give an integer")
+        raise InvalidValue("is a boolean; give an integer")
     if isinstance(value, float):
         if not value.is_integer():
-            raise _Invalid("is not a whole number; give an integer")
+            raise InvalidValue("is not a whole number; give an integer")
         return int(value)
     return value  # strict int validation then rejects strings such as "10"
 
@@ -32,7 +32,7 @@ Bool = Annotated[bool, Strict()]
 WarmupType = Literal["log", "linear"]
 
 
-class _Model(BaseModel):
+class Section(BaseModel):
     """Base of every config model: unknown keys are errors, and a loaded config is immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

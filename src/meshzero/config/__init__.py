@@ -1,0 +1,37 @@
+"""DeepSpeed's ds_config.json schema as typed, strict pydantic models.
+
+`load_config` is the entry point: it accepts a dict, a path to a JSON file or an existing
+`Config`, and turns every problem it finds into one `ConfigError` that lists each problem on its
+own line with the dotted key, the value given and what is valid. Nothing is silently ignored:
+unknown keys fail with the nearest valid key, DeepSpeed keys meshzero does not implement yet fail
+saying so, and "auto" values fail with how to resolve them.
+
+    scalars.py      strict int/float/bool types and the `Section` base (unknown keys refused)
+    errors.py       ConfigError and the one-line-per-problem report
+    unsupported.py  DeepSpeed keys known but not implemented
+    optimizer.py    `optimizer` and `scheduler`: a type and its params
+    precision.py    `fp16`, `bf16`
+    offload.py      `zero_optimization.offload_optimizer` / `offload_param`
+    zero.py         `zero_optimization` and its cross-key rules
+    mesh.py         `tensor_parallel`, `pipeline_parallel`, `topology`
+    profiler.py     `flops_profiler`
+    batch.py        train_batch_size = micro * accumulation * dp
+    schema.py       `Config`: the sections and the rules across them
+    load.py         `load_config`
+"""
+
+from meshzero.config.errors import ConfigError
+from meshzero.config.load import load_config
+from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
+from meshzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
+from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
+from meshzero.config.precision import BF16Config, FP16Config
+from meshzero.config.profiler import FlopsProfilerConfig
+from meshzero.config.schema import Config
+from meshzero.config.zero import ZeroConfig
+
+__all__ = [
+    "BF16Config", "Config", "ConfigError", "FP16Config", "FlopsProfilerConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "PipelineParallelConfig",
+    "SchedulerConfig", "TensorParallelConfig", "TopologyConfig", "ZeroConfig", "load_config",
+]

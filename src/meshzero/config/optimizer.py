@@ -1,0 +1,171 @@
+"""`optimizer` and `scheduler`: a type (any case, stored in its canonical spelling) and params
+checked against that type's own model, so a misspelt param is an unknown key."""
+
+from typing import Any, ClassVar
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from meshzero.config.errors import InvalidValue
+from meshzero.config.scalars import (
+    Beta,
+    Bool,
+    Float,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Ratio,
+    Section,
+    WarmupType,
+)
+
+
+class AdamParams(Section):
+    """DeepSpeed's "Adam": decoupled weight decay (i.e. AdamW) unless adam_w_mode is false.
+
+    With adam_w_mode false, weight_decay is added to the gradient (L2 regularisation, the
+    behaviour of torch.optim.Adam).
+    """
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    amsgrad: Bool = False
+    adam_w_mode: Bool = True
+
+
+class AdamWParams(Section):
+    """DeepSpeed's "AdamW": Adam with decoupled weight decay (torch.optim.AdamW)."""
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.01
+    amsgrad: Bool = False
+
+
+class SGDParams(Section):
+    """torch.optim.SGD's arguments; lr has no default, as in torch."""
+
+    lr: PosFloat
+    momentum: NonNegFloat = 0.0
+    dampening: Float = 0.0
+    weight_decay: NonNegFloat = 0.0
+    nesterov: Bool = False
+
+    @field_validator("nesterov")
+    @classmethod
+    def _nesterov_needs_momentum(cls, nesterov: bool, info: ValidationInfo) -> bool:
+        if nesterov and (info.data.get("momentum", 1.0) <= 0 or info.data.get("dampening")):
+            raise InvalidValue("needs momentum > 0 and dampening = 0")
+        return nesterov
+
+
+OPTIMIZER_PARAMS: dict[str, type[Section]] = {
+    "Adam": AdamParams,
+    "AdamW": AdamWParams,
+    "SGD": SGDParams,
+}
+DEEPSPEED_ONLY_OPTIMIZERS = (
+    "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
+)  # fmt: skip
+
+
+def _after_warmup(total: int, info: ValidationInfo) -> int:
+    warmup = info.data.get("warmup_num_steps", 0)
+    if total <= warmup:
+        raise InvalidValue(f"must be greater than warmup_num_steps ({warmup})")
+    return total
+
+
+class WarmupLRParams(Section):
+    warmup_min_lr: NonNegFloat = 0.0
+    warmup_max_lr: NonNegFloat = 0.001
+    warmup_num_steps: NonNegInt = 1000
+    warmup_type: WarmupType = "log"
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    total_num_steps: PosInt  # declared after warmup_num_steps so its validator can compare
+
+    _total = field_validator("total_num_steps")(_after_warmup)
+
+
+class WarmupCosineLRParams(Section):
+    warmup_num_steps: NonNegInt = 1000
+    total_num_steps: PosInt
+    warmup_min_ratio: Ratio = 0.0
+    cos_min_ratio: Ratio = 0.0001
+    warmup_type: WarmupType = "log"
+
+    _total = field_validator("total_num_steps")(_after_warmup)
+
+
+SCHEDULER_PARAMS: dict[str, type[Section]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+DEEPSPEED_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+
+
+class _TypedSection(Section):
+    """A `type`, matched case-insensitively and kept in its canonical spelling, and `params`,
+    checked against that type's own model (so a misspelt param is an unknown key) and stored
+    complete: every param of the type, defaults filled, ints as ints."""
+
+    kinds: ClassVar[dict[str, type[Section]]]
+    deepspeed_only: ClassVar[tuple[str, ...]]
+    what: ClassVar[str]
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def params_model(cls, kind: Any) -> type[Section] | None:
+        """The params model for `kind` in any case, or None if it is not a known type."""
+        lower = str(kind).lower()
+        return next((model for name, model in cls.kinds.items() if name.lower() == lower), None)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # the str field reports the wrong type
+        for name in cls.kinds:
+            if name.lower() == value.lower():
+                return name
+        valid = ", ".join(cls.kinds)
+        if value.lower() in {name.lower() for name in cls.deepspeed_only}:
+            raise InvalidValue(
+                f"is a DeepSpeed {cls.what} meshzero does not implement; valid: {valid}")
+        raise InvalidValue(f"is not a {cls.what} meshzero knows; valid: {valid}")
+
+    @field_validator("params")
+    @classmethod
+    def _check_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # a bad type was reported already; params cannot be checked
+            return params
+        return cls.kinds[info.data["type"]].model_validate(params).model_dump()
+
+    def validated_params(self) -> dict[str, Any]:
+        """All params of this type, defaults filled in."""
+        return self.kinds[self.type].model_validate(self.params).model_dump()
+
+
+class OptimizerConfig(_TypedSection):
+    """`optimizer`: type Adam, AdamW or SGD (any case) and its params."""
+
+    kinds = OPTIMIZER_PARAMS
+    deepspeed_only = DEEPSPEED_ONLY_OPTIMIZERS
+    what = "optimizer"
+
+
+class SchedulerConfig(_TypedSection):
+    """`scheduler`: type WarmupLR, WarmupDecayLR or WarmupCosineLR (any case) and its params."""
+
+    kinds = SCHEDULER_PARAMS
+    deepspeed_only = DEEPSPEED_ONLY_SCHEDULERS
+    what = "scheduler"

@@ -1,0 +1,22 @@
+"""`fp16` and `bf16`: the compute dtype and fp16's loss scaling."""
+
+from typing import Annotated
+
+from pydantic import Field
+
+from meshzero.config.scalars import Bool, Int, NonNegFloat, PosFloat, PosInt, Section
+
+
+class FP16Config(Section):
+    """`fp16`: loss_scale 0 means dynamic scaling starting at 2**initial_scale_power."""
+
+    enabled: Bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: Annotated[Int, Field(ge=0, le=64)] = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    min_loss_scale: PosFloat = 1.0
+
+
+class BF16Config(Section):
+    enabled: Bool = False

@@ -1,0 +1,34 @@
+"""`flops_profiler`: which step to profile and how to report it."""
+
+from typing import Annotated
+
+from pydantic import Field, Strict, field_validator
+
+from meshzero.config.errors import InvalidValue
+from meshzero.config.scalars import Bool, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, Section
+
+
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: profile one whole optimizer step (every micro-step) at profile_step.
+
+    meshzero measures activation-checkpoint recomputation, so recompute_fwd_factor (an
+    assumed factor in DeepSpeed) must stay 0. peak_flops is meshzero's own key: the peak
+    FLOP/s of one rank's device for MFU (default: a table of known GPUs, or a short matmul
+    measured once on CPU)."""
+
+    enabled: Bool = False
+    profile_step: NonNegInt = 1
+    module_depth: Annotated[Int, Field(ge=-1)] = -1
+    top_modules: PosInt = 1
+    detailed: Bool = True
+    output_file: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    recompute_fwd_factor: NonNegFloat = 0.0
+    peak_flops: PosFloat | None = None
+
+    @field_validator("recompute_fwd_factor")
+    @classmethod
+    def _measured(cls, value: float) -> float:
+        if value != 0.0:
+            raise InvalidValue("is not supported: meshzero measures recomputation (reported "
+                           "separately) instead of assuming a factor; use 0")
+        return value

@@ -1,0 +1,100 @@
+"""The whole ds_config: its sections, and the rules that tie keys of different sections
+together. Each default lives on its field and each rule in one place: the estimator reads a
+`Config` rather than restating them."""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from meshzero.config.batch import batch_problems, resolve_batch
+from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
+from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
+from meshzero.config.precision import BF16Config, FP16Config
+from meshzero.config.profiler import FlopsProfilerConfig
+from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosInt
+from meshzero.config.zero import ZeroConfig
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Config(BaseModel):
+    """A validated ds_config. Build it with `load_config`; fields keep DeepSpeed's names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    train_batch_size: PosInt | None = None
+    train_micro_batch_size_per_gpu: PosInt | None = None
+    gradient_accumulation_steps: PosInt | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    gradient_clipping: NonNegFloat = 0.0
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    steps_per_print: PosInt = 10
+    wall_clock_breakdown: Bool = False
+    seed: NonNegInt | None = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        problems = batch_problems(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                  self.gradient_accumulation_steps)
+        if self.fp16.enabled and self.bf16.enabled:
+            problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        problems += _mesh_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def resolve_batch(self, dp_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, gradient accumulation steps) for `dp_size`
+        ranks, under train_batch_size == micro * accumulation * dp_size."""
+        return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps, dp_size)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        dtype = self.communication_data_type
+        return None if dtype is None else _DTYPES[dtype]
+
+
+def _mesh_problems(config: Config) -> list[str]:
+    """Checks of the mesh keys against each other (the world size is checked at start)."""
+    problems = []
+    pp, tp, zc = config.pipeline_parallel, config.tensor_parallel, config.zero_optimization
+    if pp.size > 1 and zc.stage == 3:
+        problems.append(f"pipeline_parallel.size = {pp.size} with zero_optimization.stage 3: "
+                        "ZeRO-3 gathers parameters per micro-batch, which pipelining defeats; "
+                        "use stage 1 or 2 with pipeline parallelism")
+    if pp.size > 1 and zc.offload_param.device != "none":
+        problems.append("zero_optimization.offload_param needs stage 3, which pipeline "
+                        "parallelism does not support")
+    if pp.size > 1 and tp.sequence_parallel:
+        problems.append("tensor_parallel.sequence_parallel with pipeline_parallel.size > 1 is "
+                        "not supported: activations between stages would be split by sequence")
+    if tp.size > 1 and zc.offload_optimizer.device == "nvme":
+        problems.append("tensor_parallel.size > 1 with offload_optimizer.device 'nvme' is not "
+                        "supported yet (the NVMe gradient norm does not weigh replicated "
+                        "tensors); use 'cpu'")
+    if tp.size > 1 and tp.plan is None:
+        problems.append(f"tensor_parallel.size = {tp.size} needs tensor_parallel.plan: a shipped "
+                        "plan's name (gpt, hf_gpt2, llama) or {module pattern: "
+                        "colwise|rowwise|vocab}")
+    gas = config.gradient_accumulation_steps
+    if pp.size > 1 and pp.micro_batches is not None and gas is not None and gas != \
+            pp.micro_batches:
+        problems.append(f"pipeline_parallel.micro_batches ({pp.micro_batches}) != "
+                        f"gradient_accumulation_steps ({gas}): with pipelining the micro-batches "
+                        "of one step are the accumulation steps; give one of them")
+    return problems

@@ -1,0 +1,80 @@
+"""`zero_optimization`: the ZeRO stage, its buckets and thresholds, and where states live."""
+
+from typing import Annotated
+
+from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
+
+from meshzero.config.errors import InvalidValue
+from meshzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
+from meshzero.config.scalars import Bool, Int, NonNegInt, PosInt, Section
+
+_ALWAYS_ON = {
+    "contiguous_gradients": "meshzero always keeps gradients in contiguous flat buffers",
+    "reduce_scatter": "meshzero always reduces gradients with reduce-scatter",
+    "allgather_partitions": "meshzero always all-gathers whole partitions",
+}
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`; unit_classes (meshzero's own key) names the module classes whose
+    instances become ZeRO units (gathered and released together)."""
+
+    stage: Annotated[Int, Field(ge=0, le=3)] = 0
+    overlap_comm: Bool = True
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    allgather_partitions: Bool = True
+    reduce_bucket_size: PosInt = 500_000_000
+    allgather_bucket_size: PosInt = 500_000_000
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    stage3_max_live_parameters: PosInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    unit_classes: list[Annotated[str, Strict(), Field(min_length=1)]] | None = None
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    sub_group_size: PosInt = 1_000_000_000
+    zero_hpz_partition_size: PosInt = 1
+    mics_shard_size: Annotated[Int, Field(ge=-1)] = -1
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> "ZeroConfig":
+        problems = []
+        opt, par = self.offload_optimizer.device, self.offload_param.device
+        if opt != "none" and self.stage == 0:
+            problems.append(f"zero_optimization.offload_optimizer.device = {opt!r} needs "
+                            "zero_optimization.stage 1, 2 or 3 (stage is 0)")
+        if par != "none" and self.stage != 3:
+            problems.append(f"zero_optimization.offload_param.device = {par!r} needs "
+                            f"zero_optimization.stage 3 (stage is {self.stage}): parameters "
+                            "are sharded, and so can be offloaded, only at stage 3")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            problems.append(f"zero_optimization.zero_hpz_partition_size = "
+                            f"{self.zero_hpz_partition_size} needs zero_optimization.stage 3 "
+                            f"(stage is {self.stage}): it keeps a secondary parameter shard")
+        if self.mics_shard_size not in (-1, 0, 1) and self.stage == 0:
+            problems.append(f"zero_optimization.mics_shard_size = {self.mics_shard_size} needs "
+                            "zero_optimization.stage 1, 2 or 3 (stage is 0)")
+        if self.mics_shard_size > 1 and self.zero_hpz_partition_size > 1:
+            problems.append("zero_optimization.mics_shard_size and zero_hpz_partition_size are "
+                            "both set; choose one way of keeping traffic inside a node")
+        if par == "nvme" and opt != "nvme":
+            problems.append("zero_optimization.offload_param.device = 'nvme' needs "
+                            f"zero_optimization.offload_optimizer.device = 'nvme' (it is "
+                            f"{opt!r}): the NVMe optimizer step writes the parameter files")
+        for key, section in (("offload_optimizer", self.offload_optimizer),
+                             ("offload_param", self.offload_param)):
+            if section.device == "nvme" and section.nvme_path is None:
+                problems.append(f"zero_optimization.{key}.device = 'nvme' needs "
+                                f"zero_optimization.{key}.nvme_path (a writable directory)")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @field_validator(*_ALWAYS_ON)
+    @classmethod
+    def _only_true(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value:
+            raise InvalidValue(
+                f"is not supported: {_ALWAYS_ON[info.field_name]}; only true is valid")
+        return value
