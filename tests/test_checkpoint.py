@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 import meshzero
-from meshzero import checkpoint, checkpoint_io
+from meshzero import checkpoint
+from meshzero.checkpoint import format as checkpoint_format
+from meshzero.checkpoint import sharded as checkpoint_sharded
 from tests.distributed import DistributedTestError, run_distributed
 from tests.engine_runs import zero_config
 from tests.models import build_model, loss_fn_for, make_batches, split_for_rank
@@ -236,19 +238,19 @@ def _save_then_die(rank: int, world_size: int, root: str, kill_at: str) -> str:
     engine.save_checkpoint(root, tag="good", client_state={"tag": "good"})
     train_steps(engine, rank, world_size, range(1, 2))
     if kill_at == "rank1-after-its-file":
-        write = checkpoint.write_rank_state
+        write = checkpoint_sharded.write_rank_state
 
         def write_then_die(*args, **kwargs):
             write(*args, **kwargs)
             if rank == 1:
                 os._exit(3)
 
-        checkpoint.write_rank_state = write_then_die
+        checkpoint_sharded.write_rank_state = write_then_die
     else:  # rank 0, after the rename, before 'latest' moves
         def die(*args, **kwargs):
             os._exit(3)
 
-        checkpoint_io.write_latest = die
+        checkpoint_format.write_latest = die
     engine.save_checkpoint(root, tag="bad", client_state={"tag": "bad"})
     return "survived"
 

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from meshzero.checkpoint import consolidate
+from meshzero.checkpoint.model_files import WeightsReader, parse_size
 from meshzero.cli import main
-from meshzero.weights_io import WeightsReader, parse_size
 from tests.distributed import REPO_ROOT, run_distributed
 from tests.models import build_model
 from tests.test_checkpoint import (

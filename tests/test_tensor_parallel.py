@@ -174,7 +174,7 @@ def test_tp1_keeps_the_model_and_marks_sharded_params():
     assert isinstance(model.blocks[0].mlp.proj, RowParallelLinear)
     assert model.head.weight is model.tok_emb.weight  # still tied
     assert is_tp_sharded(model.blocks[0].attn.qkv.bias)
-    assert model.blocks[0].mlp.proj.bias.tp_sharded is False  # replicated, added once
+    assert is_tp_sharded(model.blocks[0].mlp.proj.bias) is False  # replicated, added once
     assert not is_tp_sharded(model.ln_f.weight)
     assert model.state_dict().keys() == ref.state_dict().keys()
     torch.testing.assert_close(model(batch[0]), ref(batch[0]))

@@ -21,14 +21,32 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # torch >= 2.10 renames the tensor collectives; keep working on 2.5.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+OnComm = Callable[[str, int], None]  # (op, bytes this rank sent): a counter of a CommStats
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` over ``n`` ranks under the ring algorithms; ``nbytes``
+    is the all-gather's output, the reduce-scatter's input, the all-reduced or broadcast
+    tensor (a broadcast pipelined along a ring sends B (N-1)/N per rank)."""
+    if n <= 1:
+        return 0
+    return (2 if op == "all_reduce" else 1) * nbytes * (n - 1) // n
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -69,6 +87,16 @@ class CommStats:
 
     def reset(self) -> None:
         self.ops.clear()
+
+    def counter(self, group: str, inter_node: bool = False) -> OnComm:
+        """``on_comm(op, nbytes)`` for collectives issued outside a Communicator (the tensor
+        parallel layers, the pipeline schedule): one count and its bytes per call."""
+        def count(op: str, nbytes: int) -> None:
+            stats = self.get(group, op, inter_node)
+            stats.count += 1
+            stats.bytes += nbytes
+
+        return count
 
     def by_op(self) -> dict[str, dict]:
         """``{op: {count, bytes, seconds, exposed_seconds, intra_node_bytes,
@@ -153,8 +181,7 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Handle:
         """``output`` (N*S,) <- concat of every rank's ``shard`` (S,)."""
-        n = self.size
-        nbytes = output.numel() * output.element_size() * (n - 1) // n
+        nbytes = ring_bytes("all_gather", _size(output), self.size)
 
         def run(group):
             if group is None:
@@ -166,8 +193,7 @@ class Communicator:
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> Handle:
         """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,))."""
-        n = self.size
-        nbytes = full.numel() * full.element_size() * (n - 1) // n
+        nbytes = ring_bytes("reduce_scatter", _size(full), self.size)
 
         def run(group):
             if group is None:
@@ -179,8 +205,7 @@ class Communicator:
         return self._launch("reduce_scatter", nbytes, run, shard, full)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
-        n = self.size
-        nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
+        nbytes = ring_bytes("all_reduce", _size(tensor), self.size)
 
         def run(group):
             if group is None:
@@ -188,3 +213,96 @@ class Communicator:
             return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
         return self._launch("all_reduce", nbytes, run, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        """``tensor`` <- global rank ``src``'s ``tensor``."""
+        def run(group):
+            return None if group is None else dist.broadcast(tensor, src=src, group=group,
+                                                             async_op=True)
+
+        return self._launch("broadcast", ring_bytes("broadcast", _size(tensor), self.size),
+                            run, tensor)
+
+
+def broadcast_module(module: nn.Module, comm: Communicator, src: int) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers (as DeepSpeed
+    does): one broadcast per dtype of everything flattened."""
+    if comm.size == 1:
+        return
+    tensors = list(module.parameters()) + list(module.buffers())
+    with torch.no_grad():
+        for dtype in {t.dtype for t in tensors}:
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            comm.broadcast(flat, src).wait()
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# -- blocking collectives over a bare group (tp layers, pipeline), counted by ``on_comm`` ----
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _count(on_comm: OnComm | None, op: str, nbytes: int, group) -> None:
+    if on_comm is not None:
+        on_comm(op, ring_bytes(op, nbytes, _group_size(group)))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               on_comm: OnComm | None = None) -> None:
+    """Sum ``tensor`` over ``group`` in place."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    _count(on_comm, "all_reduce", _size(tensor), group)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
+                    group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
+    """``output`` (N*S,) <- every rank's ``shard`` (S,), in rank order."""
+    _all_gather(output, shard, group=group)
+    _count(on_comm, "all_gather", _size(output), group)
+
+
+def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor,
+                        group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
+    """``shard`` (S,) <- the sum over ranks of this rank's S-slice of ``full`` (N*S,)."""
+    _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group)
+    _count(on_comm, "reduce_scatter", _size(full), group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+              on_comm: OnComm | None = None) -> None:
+    """``tensor`` <- global rank ``src``'s ``tensor``."""
+    dist.broadcast(tensor, src=src, group=group)
+    _count(on_comm, "broadcast", _size(tensor), group)
+
+
+def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
+             group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
+    """Point-to-point: for each ``(global peer, send, recv)`` send ``send`` to the peer and
+    receive its tensor into ``recv``, all at once."""
+    ops = []
+    for peer, send, recv in pairs:
+        ops.append(dist.P2POp(dist.isend, send, peer, group))
+        ops.append(dist.P2POp(dist.irecv, recv, peer, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    if on_comm is not None and pairs:
+        on_comm("send_recv", sum(_size(send) for _, send, _ in pairs))
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's picklable ``obj`` (in memory, between live ranks; never from files)."""
+    out: list[Any] = [None] * _group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_objects(obj: Any, dst: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
+    is_dst = dist.get_rank() == dst
+    out: list[Any] | None = [None] * _group_size(group) if is_dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out

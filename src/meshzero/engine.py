@@ -7,26 +7,21 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from meshzero import mesh_setup
-from meshzero.comm import CommStats, Communicator
+from meshzero import checkpoint
+from meshzero.build import build
+from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging
-from meshzero.optim import build_optimizer
-from meshzero.precision import LossScaler
+from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
-from meshzero.schedulers import build_scheduler
-from meshzero.topology import Topology, build_topology, init_distributed
-from meshzero.zero.materialize import prepare_model
-from meshzero.zero.offload import HOST, OffloadOptions
-from meshzero.zero.state import ZeroModelState, ZeroOptions
+from meshzero.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +35,6 @@ def _cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_inputs(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _broadcast_module(module: nn.Module, comm: Communicator, src: int) -> None:
-    """Make every rank start from rank ``src``'s parameters and buffers (as DeepSpeed does)."""
-    if comm.size == 1:
-        return
-    tensors = list(module.parameters()) + list(module.buffers())
-    with torch.no_grad():
-        for dtype in {t.dtype for t in tensors}:
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=src, group=comm.group)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
 
 
 class Engine(nn.Module):
@@ -76,74 +55,25 @@ class Engine(nn.Module):
         super().__init__()
         setup_logging()
         self.config = config
-        init_distributed()
-        self.topology: Topology = build_topology(
-            config.tensor_parallel.size, config.pipeline_parallel.size,
-            config.topology.ranks_per_node)
-        if self.topology.world_size > 1 and self.topology.rank == 0:
-            logger.info("%s", self.topology.rank_map())
-        dp = self.topology.dp_size
-        self.global_batch, self.micro_batch, self.grad_accum = config.resolve_batch(dp)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.comm_stats = CommStats()
-        zc = config.zero_optimization
-        self.dp_comm = Communicator(self.topology.dp_group, "dp", self.comm_stats,
-                                    async_ops=zc.overlap_comm,
-                                    inter_node=self.topology.spans_nodes(self.topology.dp_group))
-        # the ranks ZeRO shards over: all of dp, or (MiCS) a block of them, replicated across
-        self.comm, self.replica_comm = self._shard_comms(zc.mics_shard_size)
-        self.device = self.topology.device
+        built = build(model, config, optimizer=optimizer, model_parameters=model_parameters,
+                      lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
+                      pipeline_layout=pipeline_layout)
+        self.topology: Topology = built.topology
+        self.device = built.topology.device
         self.compute_dtype = config.compute_dtype
-        # a factory or a meta-device model is materialised unit by unit by ZeroModelState
-        model, materializer = prepare_model(model, config, comm=self.dp_comm,
-                                            device=self.device, src=self._dp_src())
-        self.pipeline = None
-        if materializer is None:
-            model.to(self.device)
-            if self.topology.tp_size == 1 and self.topology.pp_size == 1:
-                _broadcast_module(model, self.dp_comm, src=self._dp_src())
-            else:  # tp/pp slice the model: all ranks must start from the same one
-                mesh_setup.broadcast_from_world_rank0(model, self.topology)
-                self._check_pipeline_batches()
-                model, self.pipeline = mesh_setup.cut_model(
-                    model, config, self.topology, self.device, loss_fn=loss_fn,
-                    example_inputs=example_inputs, pipeline_layout=pipeline_layout,
-                    micro_batches=self.grad_accum, stats=self.comm_stats)
-        elif self.topology.tp_size > 1 or self.topology.pp_size > 1:
-            raise ValueError("zero_init / a model factory with tensor_parallel or "
-                             "pipeline_parallel is not supported yet; build the model eagerly")
-        self.module = model
-        self._mp_comms = mesh_setup.model_parallel_comms(self.topology, self.comm_stats)
-        self._norm_weights = mesh_setup.norm_weights(model, self.topology, self.pipeline)
-        self.zero = ZeroModelState(model, self.comm, self.device, ZeroOptions(
-            stage=zc.stage,
-            compute_dtype=self.compute_dtype,
-            comm_dtype=config.communication_dtype or torch.float32,
-            unit_classes=zc.unit_classes,
-            persistence_threshold=zc.stage3_param_persistence_threshold,
-            reduce_bucket_numel=zc.reduce_bucket_size,
-            allgather_bucket_numel=zc.allgather_bucket_size,
-            prefetch_numel=zc.stage3_prefetch_bucket_size,
-            max_live_numel=zc.stage3_max_live_parameters,
-            max_reuse_distance=zc.stage3_max_reuse_distance,
-            offload=OffloadOptions.from_config(zc),
-        ), materialize=materializer, secondary_comm=self._hpz_comm(zc.zero_hpz_partition_size),
-            replica_comm=self.replica_comm)
-        self._cast_buffers()
-        offloaded = self.zero.offload.optimizer != "none"
-        if materializer is not None:  # meta parameters the caller passed -> the real ones
-            optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
-        self.optimizer = build_optimizer(
-            model=model, fragments=self.zero.optim_state.fragments,
-            device=HOST if offloaded else self.device,
-            optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
-        self.zero.attach_optimizer(self.optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        self.loss_scaler = LossScaler.from_config(config.fp16)
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.global_batch, self.micro_batch, self.grad_accum = built.batch
+        self.comm_stats = built.comms.stats
+        self.dp_comm = built.comms.dp
+        self.comm, self.replica_comm = built.comms.shard, built.comms.replica
+        self.module = built.module
+        self.pipeline = built.pipeline
+        self.zero = built.zero
+        self.optimizer = built.optimizer
+        self.lr_scheduler = built.lr_scheduler
+        self.loss_scaler = built.loss_scaler
+        self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
+        self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
+        self.counters = StepCounters()
         # host-tier offload: step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
@@ -154,61 +84,30 @@ class Engine(nn.Module):
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
 
-    def _check_pipeline_batches(self) -> None:
-        pp = self.config.pipeline_parallel
-        if pp.size > 1 and pp.micro_batches is not None and pp.micro_batches != self.grad_accum:
-            raise ValueError(
-                f"pipeline_parallel.micro_batches ({pp.micro_batches}) != the gradient "
-                f"accumulation steps ({self.grad_accum}, from train_batch_size "
-                f"{self.global_batch} / micro batch {self.micro_batch} / dp "
-                f"{self.topology.dp_size}): the micro-batches of one pipeline step are its "
-                "accumulation steps")
+    # -- step counters (kept in one StepCounters, which checkpoints save and restore) --------
+    @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
 
-    def _shard_comms(self, mics: int) -> tuple[Communicator, Communicator | None]:
-        """MiCS / hybrid sharding: shard over blocks of ``mics`` dp ranks, all-reduce the
-        gradient shards across the blocks."""
-        if mics in (-1, 0, 1) or mics == self.dp_comm.size:
-            return self.dp_comm, None
-        block, across = self.topology.dp_subgroups(mics)
-        make = lambda g, name: Communicator(  # noqa: E731
-            g, name, self.comm_stats, async_ops=self.dp_comm.async_ops,
-            inter_node=self.topology.spans_nodes(g))
-        return make(block, "dp_shard"), make(across, "dp_replica")
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.counters.global_steps = value
 
-    def _hpz_comm(self, k: int) -> Communicator | None:
-        """ZeRO++ hpZ: the communicator over this rank's block of k data-parallel ranks."""
-        if k <= 1:
-            return None
-        block, _ = self.topology.dp_subgroups(k)
-        return Communicator(block, "dp_hpz", self.comm_stats, async_ops=self.comm.async_ops,
-                            inter_node=self.topology.spans_nodes(block))
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
 
-    def _dp_src(self) -> int:
-        group = self.topology.dp_group
-        return 0 if group is None else dist.get_global_rank(group, 0)
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.counters.micro_steps = value
 
-    def _cast_buffers(self) -> None:
-        if self.compute_dtype == torch.float32:
-            return
-        for module in self.module.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    setattr(module, name, buf.to(self.compute_dtype))
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
 
-    def _build_scheduler(self, lr_scheduler: Callable | None):
-        if lr_scheduler is not None and self.config.scheduler is not None:
-            raise ValueError("both lr_scheduler and the config key 'scheduler' are given; "
-                             "pass one of them")
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            raise ValueError("lr_scheduler must be a callable optimizer -> scheduler (e.g. "
-                             "lambda opt: LambdaLR(opt, f)): meshzero builds the optimizer over "
-                             "shard fragments, so a scheduler bound to another optimizer "
-                             "cannot drive it")
-        if lr_scheduler is not None:
-            return lr_scheduler(self.optimizer)
-        if self.config.scheduler is not None:
-            return build_scheduler(self.optimizer, self.config.scheduler)
-        return None
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.counters.skipped_steps = value
 
     # -- DeepSpeed-style accessors ---------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -247,10 +146,38 @@ class Engine(nn.Module):
             self._profiler = StepProfiler(self, fcfg.profile_step)
             self._profiler.start(args, kwargs or {})
 
-    def train_batch(self, data_iter=None) -> torch.Tensor:
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Pipeline parallelism: one optimizer step over ``micro_batches`` micro-batches of
-        ``(inputs, targets)`` from ``data_iter``; returns the mean loss on every rank."""
-        return mesh_setup.train_batch(self, data_iter)
+        ``(inputs, targets)`` from ``data_iter``; returns the mean loss on every pp rank.
+        ``data_iter`` is needed on the first and last stage; every rank of a dp replica
+        must see the same data."""
+        pipe = self.pipeline
+        if pipe is None:
+            raise ValueError("train_batch() drives a pipeline (pipeline_parallel.size > 1); "
+                             "without one use engine(x), engine.backward(loss), engine.step()")
+        inputs = targets = None
+        if pipe.has_first_stage or pipe.has_last_stage:
+            if data_iter is None:
+                raise ValueError("train_batch() needs data_iter on the first and last stage")
+            items = [next(data_iter) for _ in range(pipe.micro_batches)]
+            inputs = torch.cat([x for x, _ in items]).to(self.device)
+            targets = torch.cat([y for _, y in items]).to(self.device)
+        self._open_window()
+        self.comm_stats.phase = "backward"  # forward and backward interleave in a schedule
+        pipe.loss_scale = self.loss_scaler.scale
+        hooks = [] if self._profiler is None else stage_phase_hooks(
+            pipe, self._profiler.counter.set_phase)
+        try:
+            with self.zero.gradients_held():  # grads accumulate over the micro-batches
+                loss = pipe.step(inputs, targets, broadcast_loss=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        count_p2p(pipe, self.topology, self.comm_stats)
+        self.zero.reduce_held_gradients()
+        self.micro_steps += self.grad_accum - 1
+        self.step()
+        return loss
 
     def forward(self, *args, **kwargs):
         if self.pipeline is not None:
@@ -306,7 +233,7 @@ class Engine(nn.Module):
             return
         sq_norm, overflow = state.reduce_grad_stats(
             need_norm=clip > 0, need_overflow=self.config.fp16.enabled, nvme=self.zero.nvme,
-            model_parallel=self._mp_comms, replicated_weight=self._norm_weights)
+            model_parallel=self.model_parallel_comms, replicated_weight=self.norm_weights)
         if overflow:
             self.skipped_steps += 1
             logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
@@ -369,15 +296,22 @@ class Engine(nn.Module):
         """Stop offload threads and remove this rank's NVMe files (also done at exit)."""
         self.zero.close()
 
-    # -- checkpoints (see checkpoint.py) --
+    # -- checkpoints (the checkpoint package sees a TrainingState, not the engine) ------------
+    def training_state(self) -> TrainingState:
+        """The live objects a checkpoint saves and a load restores in place."""
+        replica = self.replica_comm
+        return TrainingState(
+            module=self.module, zero=self.zero, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
+            topology=self.topology, counters=self.counters, stats=self.comm_stats,
+            pipeline=self.pipeline, writes_state=replica is None or replica.rank == 0)
+
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: Any = None) -> str:
         """Sharded checkpoint ``save_dir/tag`` (default ``global_step{N}``); collective.
         ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
-        from meshzero import checkpoint
-
         with self.zero.materialized():
-            return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+            return checkpoint.save_checkpoint(self.training_state(), save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_optimizer_states: bool = True,
@@ -385,28 +319,22 @@ class Engine(nn.Module):
         """Load a tag (default: ``latest``) saved at any data-parallel size and stage, with
         the same tensor and pipeline parallel sizes; collective. Returns ``(path,
         client_state)``, or ``(None, None)`` if there is no ``latest``."""
-        from meshzero import checkpoint
-
         with self.zero.materialized(write_back=True):
-            return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                              load_lr_scheduler_states)
+            return checkpoint.load_checkpoint(self.training_state(), load_dir, tag,
+                                              load_optimizer_states, load_lr_scheduler_states)
 
     def save_16bit_model(self, save_dir: str | os.PathLike,
                          save_filename: str = "model.safetensors") -> str | None:
         """The full model in the compute dtype as safetensors; collective (one file per
         pipeline stage, with an index, when pp > 1)."""
-        from meshzero import checkpoint
-
         with self.zero.materialized():
-            return checkpoint.save_16bit_model(self, save_dir, save_filename)
+            return checkpoint.save_16bit_model(self.training_state(), save_dir, save_filename)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load safetensors weights (file, index or directory), each rank reading only its
         fragments; collective. Pickle files are refused."""
-        from meshzero import checkpoint
-
         with self.zero.materialized(write_back=True):
-            checkpoint.load_weights(self, path)
+            checkpoint.load_weights(self.training_state(), path)
 
 
 def initialize(

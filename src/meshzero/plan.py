@@ -40,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from meshzero.checkpoint.model_files import parse_size
 from meshzero.config import Config, load_config
 from meshzero.estimate.command import (
     add_cluster_args,
@@ -62,7 +63,6 @@ from meshzero.estimate.timing import (
     offload_seconds,
 )
 from meshzero.profiling.report import seconds, si
-from meshzero.weights_io import parse_size
 
 # (offload_optimizer, offload_param) per stage; parameters move only at stage 3, and NVMe
 # parameters need the NVMe optimizer (the NVMe step writes the parameter files)

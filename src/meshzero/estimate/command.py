@@ -7,10 +7,10 @@ import argparse
 import importlib
 import json
 
+from meshzero.checkpoint.model_files import parse_size
 from meshzero.estimate.core import Estimator
 from meshzero.estimate.model import ModelSpec, load_model
 from meshzero.estimate.settings import OFFLOAD_DEVICES, PRECISIONS, Cluster, settings_from_config
-from meshzero.weights_io import parse_size
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

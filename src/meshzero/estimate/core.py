@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from meshzero.checkpoint.model_files import parse_size
 from meshzero.config import Config
 from meshzero.estimate.activations import ActivationProfile, profile_activations
 from meshzero.estimate.mesh import (
@@ -25,7 +26,6 @@ from meshzero.estimate.mesh import (
 from meshzero.estimate.model import InputsFn, ModelSpec, load_model
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
 from meshzero.estimate.states import ModelStates, Report, total_bytes
-from meshzero.weights_io import parse_size
 from meshzero.zero.units import Layout, build_layout
 
 MAX_MICRO_BATCH = 1 << 20

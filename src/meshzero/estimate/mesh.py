@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism in the estimate: each pipeline rank's module cut as the
-engine cuts it (``mesh_setup.cut_model``), and its activations under a schedule.
+engine cuts it (``parallel/compose.py``), and its activations under a schedule.
 
 The engine keeps pp rank r's stage(s) of the layer list (``parallel/pipeline.py``: the same
 ``split_stages`` cut, the same stage-to-rank placement), replaces the planned Linear and
@@ -93,7 +93,7 @@ def pipeline_layout_of(spec: ModelSpec, s: Settings, given=None):
 def _tp_plan(s: Settings) -> dict | None:
     if s.tp == 1:
         return None
-    from meshzero.mesh_setup import shipped_plan
+    from meshzero.parallel.plans import shipped_plan
 
     return shipped_plan(s.tp_plan)
 

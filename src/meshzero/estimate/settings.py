@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshzero.checkpoint.model_files import parse_size
 from meshzero.config import Config, load_config
-from meshzero.weights_io import parse_size
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")

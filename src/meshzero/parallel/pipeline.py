@@ -69,6 +69,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from meshzero.comm import OnComm, all_gather_objects, broadcast, exchange, gather_objects
 from meshzero.parallel.pipeline_split import (
     DEMO_GPT_LAYOUT,
     PipelineLayout,
@@ -164,6 +165,7 @@ class Pipeline:
         self.num_stages = num_stages
         self.micro_batches = micro_batches
         self.pp_group = pp_group
+        self.on_comm: OnComm | None = None  # counts the pp collectives (CommStats.counter)
         self.pp_rank = dist.get_rank(pp_group)
         self.pp_size = dist.get_world_size(pp_group)
         self.device = device
@@ -263,7 +265,7 @@ class Pipeline:
         else:
             buf = torch.zeros(1, dtype=torch.float32, device=self.device)
         src = dist.get_global_rank(self.pp_group, self.last_stage_rank)
-        dist.broadcast(buf, src=src, group=self.pp_group)
+        broadcast(buf, src, self.pp_group, self.on_comm)
         return buf[0]
 
     def sync_tied_grads(self) -> None:
@@ -274,13 +276,8 @@ class Pipeline:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             peers = [r for r in tied.ranks if r != self.pp_rank]
             received = {r: torch.empty_like(grad) for r in peers}
-            ops = []
-            for r in peers:
-                peer = dist.get_global_rank(self.pp_group, r)
-                ops.append(dist.P2POp(dist.isend, grad, peer, self.pp_group))
-                ops.append(dist.P2POp(dist.irecv, received[r], peer, self.pp_group))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            exchange([(dist.get_global_rank(self.pp_group, r), grad, received[r]) for r in peers],
+                     self.pp_group, self.on_comm)
             parts = {**received, self.pp_rank: grad}
             total = parts[tied.ranks[0]].clone()
             for r in tied.ranks[1:]:
@@ -350,12 +347,7 @@ def build_pipeline(
     device = _default_device(pp_group) if device is None else torch.device(device)
     if not any(p.is_meta for p in module.parameters()):
         module.to(device)
-    for s in local:
-        logger.info(
-            "pipeline stage %d of %d on pp rank %d: %s (%d parameters)",
-            s, num_stages, pp_rank, ", ".join(stage_modules[s].layer_names),
-            sum(p.numel() for p in stage_modules[s].parameters()),
-        )
+    _log_stages(stage_modules, local, pp_rank)
     return Pipeline(
         module=module,
         stage_modules={s: stage_modules[s] for s in local},
@@ -369,6 +361,15 @@ def build_pipeline(
         tied=tied,
         state_dict_keys=list(model.state_dict().keys()),
     )
+
+
+def _log_stages(stage_modules: list[StageModule], local: list[int], pp_rank: int) -> None:
+    for s in local:
+        logger.info(
+            "pipeline stage %d of %d on pp rank %d: %s (%d parameters)",
+            s, len(stage_modules), pp_rank, ", ".join(stage_modules[s].layer_names),
+            sum(p.numel() for p in stage_modules[s].parameters()),
+        )
 
 
 def _cut(
@@ -477,17 +478,14 @@ def gather_pipeline_state_dict(
     over the pp group that moves the whole model through one rank: for tests and small
     models, not for checkpoints of large ones."""
     local = {k: v.detach().to("cpu", copy=True) for k, v in pipeline.module.state_dict().items()}
-    parts: list[dict[str, torch.Tensor] | None] = [None] * pipeline.pp_size
     if dst is None:
-        dist.all_gather_object(parts, local, group=pipeline.pp_group)
+        parts = all_gather_objects(local, pipeline.pp_group)
     else:
-        gather_dst = dist.get_global_rank(pipeline.pp_group, dst)
-        is_dst = pipeline.pp_rank == dst
-        dist.gather_object(
-            local, parts if is_dst else None, dst=gather_dst, group=pipeline.pp_group
-        )
-        if not is_dst:
+        gathered = gather_objects(local, dist.get_global_rank(pipeline.pp_group, dst),
+                                  pipeline.pp_group)
+        if gathered is None:
             return None
+        parts = gathered
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         assert part is not None

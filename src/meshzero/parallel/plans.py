@@ -331,3 +331,13 @@ LLAMA_PLAN: dict[str, str | dict[str, Any]] = {
 SHIPPED_PLANS: dict[str, dict[str, str | dict[str, Any]]] = {
     "gpt": GPT_PLAN, "hf_gpt2": GPT2_PLAN, "llama": LLAMA_PLAN,
 }
+
+
+def shipped_plan(plan: str | dict) -> dict:
+    """``tensor_parallel.plan``: a shipped plan's name, or the plan itself."""
+    if not isinstance(plan, str):
+        return plan
+    if plan not in SHIPPED_PLANS:
+        raise ValueError(f"tensor_parallel.plan = {plan!r} is not a shipped plan; valid: "
+                         f"{', '.join(SHIPPED_PLANS)}, or a {{module pattern: style}} mapping")
+    return SHIPPED_PLANS[plan]

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# param -> True (each tp rank holds a different slice) or False (replicated inside a
+# parallel layer); written by the parallel layers, keyed by identity, dropped with the param
+_TP_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,12 @@ def unshard_tensor(shards: list[torch.Tensor], layout: ShardLayout) -> torch.Ten
     return full.t().contiguous() if layout.transposed else full
 
 
-def is_tp_sharded(param: torch.Tensor) -> bool:
-    """True if each tp rank holds a different slice of this parameter."""
-    return bool(getattr(param, "tp_sharded", False))
+def mark_tp_sharded(param: torch.Tensor, sharded: bool) -> None:
+    """Record whether each tp rank holds a different slice of ``param``."""
+    _TP_SHARDED[param] = sharded
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool | None:
+    """True if each tp rank holds a different slice of this parameter, False if a parallel
+    layer holds it replicated, None if no parallel layer holds it (also replicated)."""
+    return _TP_SHARDED.get(param)

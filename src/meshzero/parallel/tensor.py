@@ -19,10 +19,11 @@ format) with :class:`ColumnParallelLinear`, :class:`RowParallelLinear` and
 weights, so the parallel model computes what the original computed. Every rank of the tp group
 must feed the same input (tensor parallelism splits the weights, not the batch).
 
-Which parameters are sharded: every parameter of a parallel layer carries ``tp_sharded``:
+Which parameters are sharded: the parallel layers record each of their parameters in a side
+table (:func:`is_tp_sharded`, keyed by the parameter object; nothing is set on the tensor):
 ``True`` for a slice (each tp rank holds a different part: count it on every tp rank in a
-gradient norm), ``False`` for a replicated one (a row-parallel bias; count it once). Parameters
-of other modules are replicated and carry nothing (:func:`is_tp_sharded` reads either).
+gradient norm), ``False`` for a replicated one (a row-parallel bias; count it once).
+Parameters of other modules are replicated and are not in the table (``None``).
 
 Sequence parallelism (``sequence_parallel=True``): between a row-parallel layer and the next
 column-parallel one, activations are split along the sequence (dimension -2 of (..., T, C)),
@@ -37,7 +38,7 @@ are averaged over the dp group only, and the global gradient norm squared is the
 of the sharded parameters' squares plus the replicated parameters' squares counted once (their
 gradients are equal on every tp rank). The sequence-parallel gradient hooks are attached at
 forward time, once per parameter object, so parameters rebuilt later get them too;
-``tp_sharded`` survives a deep copy of the model but not a new ``nn.Parameter`` (read it, or
+the table follows a deep copy of the model but not a new ``nn.Parameter`` (read it, or
 ``TensorParallelLayer.tp_layouts``, before rebuilding). Dropout inside a tensor-parallel region
 draws the same random numbers on every tp rank (no per-rank RNG tracker).
 """
@@ -57,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshzero.comm import all_gather_into
 from meshzero.parallel.plans import (
     LAYER_STYLES,
     REGION_STYLES,
@@ -71,6 +73,7 @@ from meshzero.parallel.plans import (
 from meshzero.parallel.shards import (  # noqa: F401  (re-exported)
     ShardLayout,
     is_tp_sharded,
+    mark_tp_sharded,
     shard_tensor,
     unshard_tensor,
 )
@@ -111,8 +114,8 @@ class TensorParallelLayer(nn.Module):
         self.tp_layouts = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TensorParallelLayer:
-        """A copy shares the process group and ``on_comm`` (neither can be copied) and keeps
-        the ``tp_sharded`` marks (``nn.Parameter``'s deepcopy drops attributes)."""
+        """A copy shares the process group and ``on_comm`` (neither can be copied); its new
+        parameters are recorded in the sharded table like the originals."""
         memo.setdefault(id(self.tp_group), self.tp_group)
         memo.setdefault(id(self.on_comm), self.on_comm)
         new = type(self).__new__(type(self))
@@ -123,9 +126,9 @@ class TensorParallelLayer(nn.Module):
         return new
 
     def _mark(self) -> None:
-        """Set ``tp_sharded`` on every parameter of this layer (see the module docstring)."""
+        """Record every parameter of this layer as sharded or not (see the docstring)."""
         for name, param in self.named_parameters(recurse=False):
-            param.tp_sharded = name in self.tp_layouts
+            mark_tp_sharded(param, name in self.tp_layouts)
 
 
 class ColumnParallelLinear(TensorParallelLayer):
@@ -324,10 +327,11 @@ def gather_tp_tensor(shard: torch.Tensor, layout: ShardLayout,
     collective over ``tp_group``."""
     shard = shard.detach().contiguous()
     n = group_size(tp_group)
-    shards = [shard] if n == 1 else [torch.empty_like(shard) for _ in range(n)]
-    if n > 1:
-        dist.all_gather(shards, shard, group=tp_group)
-    return unshard_tensor(shards, layout)
+    if n == 1:
+        return unshard_tensor([shard], layout)
+    flat = shard.new_empty(n * shard.numel())  # (N * numel,): rank r's shard r-th
+    all_gather_into(flat, shard.reshape(-1), tp_group)
+    return unshard_tensor(list(flat.view(n, *shard.shape).unbind(0)), layout)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str | Mapping[str, Any]],

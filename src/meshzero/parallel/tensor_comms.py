@@ -18,25 +18,19 @@ reduce_scatter_to_sequence_parallel_   reduce-scatter seq.     all-gather sequen
 region
 =====================================  ======================  ======================
 
-``on_comm(op, nbytes)``, when given, is called once per collective with the op name
-("all_reduce", "all_gather", "reduce_scatter") and the bytes this rank sends under the ring
-algorithms, the convention of :mod:`meshzero.comm`: all-reduce of B bytes 2B(N-1)/N,
-all-gather of an output of B bytes B(N-1)/N, reduce-scatter of an input of B bytes B(N-1)/N.
+The collectives themselves are :mod:`meshzero.comm`'s: ``on_comm(op, nbytes)``, when given
+(an engine passes ``CommStats.counter("tp")``), is called once per collective with the op
+name and the bytes this rank sends under the ring algorithms (``comm.ring_bytes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-OnComm = Callable[[str, int], None]
-SEQUENCE_DIM = -2  # activations are (..., T, C): (B, T, C), or (T, C) for position tables
+from meshzero.comm import OnComm, all_gather_into, all_reduce, reduce_scatter_into
 
-# torch >= 2.10 renames the tensor collectives; keep working on 2.5.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+SEQUENCE_DIM = -2  # activations are (..., T, C): (B, T, C), or (T, C) for position tables
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -47,10 +41,6 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This rank's index in a tp group; 0 for ``None``."""
     return 0 if group is None else dist.get_rank(group)
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
 
 
 def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
@@ -71,9 +61,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None,
     if n == 1:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    if on_comm is not None:
-        on_comm("all_reduce", 2 * _nbytes(out) * (n - 1) // n)
+    all_reduce(out, group, on_comm)
     return out
 
 
@@ -85,9 +73,7 @@ def gather_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
         return x
     x = x.contiguous()
     flat = x.new_empty(n * x.numel())  # (N * numel,): the one layout every backend accepts
-    _all_gather(flat, x.reshape(-1), group=group)
-    if on_comm is not None:
-        on_comm("all_gather", _nbytes(flat) * (n - 1) // n)
+    all_gather_into(flat, x.reshape(-1), group, on_comm)
     return torch.cat(flat.view(n, *x.shape).unbind(0), dim=dim)
 
 
@@ -110,9 +96,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup
     chunks = x.chunk(n, dim=dim)
     stacked = torch.stack(chunks).reshape(-1)  # (N * chunk numel,): rank r's chunk r-th
     out = x.new_empty(chunks[0].numel())
-    _reduce_scatter(out, stacked, op=dist.ReduceOp.SUM, group=group)
-    if on_comm is not None:
-        on_comm("reduce_scatter", _nbytes(stacked) * (n - 1) // n)
+    reduce_scatter_into(out, stacked, group, on_comm)
     return out.view(chunks[0].shape)
 
 

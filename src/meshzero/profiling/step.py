@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshzero.comm import _all_gather
+from meshzero.comm import CommStats, Communicator
 from meshzero.profiling.flops import FlopCounter, device_peak_flops
 from meshzero.profiling.report import ModuleRow, ProfileReport
 
@@ -44,13 +44,12 @@ def describe_zero(stage: int | None, dp: int, shard: int | None = None, tp: int 
 def model_numel(engine) -> int:
     """Parameters of the whole model: this rank's local ones, summed over the tp and pp
     ranks with a tensor every tp rank holds, or two pp stages tie, counted once."""
-    weights = engine._norm_weights
+    weights = engine.norm_weights
     local = sum(p.numel() * (1.0 if weights is None else weights[id(p)])
                 for p in engine.module.parameters())
     total = torch.tensor([local], dtype=torch.float64, device=engine.device)
-    for comm in engine._mp_comms:
-        if comm.group is not None:
-            dist.all_reduce(total, group=comm.group)
+    for comm in engine.model_parallel_comms:  # counted apart from the step's traffic
+        Communicator(comm.group, comm.name, CommStats()).all_reduce(total).wait()
     return round(total.item())
 
 
@@ -105,7 +104,7 @@ def _gather_rank_numbers(values: dict[str, float], group,
     if world == 1:
         return {k: [v, v, v] for k, v in values.items()}
     out = torch.empty(world * local.numel(), dtype=torch.float64, device=device)
-    _all_gather(out, local, group=group)
+    Communicator(group or dist.group.WORLD, "profiler", CommStats()).all_gather(out, local).wait()
     table = out.view(world, -1)
     return {k: [table[:, i].min().item(), table[:, i].max().item(), table[:, i].sum().item()]
             for i, k in enumerate(values)}

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshzero.comm import Communicator
@@ -237,7 +236,7 @@ class Materializer:
         if self.comm.size == 1:
             return state.clone()
         buf = state.to(self.device)
-        dist.broadcast(buf, src=self.src, group=self.comm.group)
+        self.comm.broadcast(buf, self.src).wait()
         return buf.cpu()
 
     def __call__(self, layout: Layout) -> Iterator[int]:

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from meshzero.log import warn_once
+
 logger = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
-_warned_pin = False
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,9 @@ class OffloadOptions:
 
 
 def _can_pin() -> bool:
-    global _warned_pin
     if torch.cuda.is_available():
         return True
-    if not _warned_pin:
-        _warned_pin = True
-        logger.warning("offload pin_memory is ignored: there is no CUDA device to pin for")
+    warn_once(logger, "offload pin_memory is ignored: there is no CUDA device to pin for")
     return False
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -212,6 +212,21 @@ class ZeroModelState:
             return nullcontext()
         return self.nvme.materialized(self.optimizer, self.optim_state.fragment_index,
                                       write_back)
+
+    @contextmanager
+    def gradients_held(self) -> Iterator[None]:
+        """Inside, gradients accumulate in ``param.grad`` over several backwards (a pipeline
+        schedule's micro-batches) instead of being reduced after each; then call
+        :meth:`reduce_held_gradients` once."""
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = True
+
+    def reduce_held_gradients(self) -> None:
+        """Reduce what accumulated in ``param.grad`` under :meth:`gradients_held`."""
+        self.reducer.reduce_param_grads()
 
     def close(self) -> None:
         self.stepper.close()

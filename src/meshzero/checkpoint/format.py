@@ -12,7 +12,7 @@ A checkpoint is one directory per tag::
 
 Rank files are named by data-parallel rank. With tensor or pipeline parallelism the tag holds
 one such directory per (pp, tp) piece of the model, ``pp{p}_tp{t}/``, under a manifest that
-names them (see checkpoint_mesh).
+names them (see checkpoint/mesh.py).
 
 Tensor keys inside the rank files name what they hold, so reading needs no layout:
 

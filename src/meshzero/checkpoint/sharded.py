@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a live engine (whole-model weight files: checkpoint_weights).
+"""Sharded checkpoints of a live engine (whole-model weight files: weights.py).
 
     save_checkpoint   every rank writes the fp32 master fragments and optimizer state of the
                       range it owns (rank 0 alone at stage 0, where all ranks own everything),
@@ -9,23 +9,24 @@
                       ranges)
 
 With tensor or pipeline parallelism each (pp, tp) piece of the model is such a checkpoint in a
-subdirectory of the tag, written by the piece's ZeRO ranks (checkpoint_mesh). A save is
+subdirectory of the tag, written by the piece's ZeRO ranks (mesh.py). A save is
 atomic: ranks write into ``.tmp-{tag}``, world rank 0 writes the manifests last, renames the
-directory to ``{tag}`` and only then points ``latest`` at it. See checkpoint_io for the format.
+directory to ``{tag}`` and only then points ``latest`` at it. See format.py for the format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from meshzero.checkpoint_io import (
+from meshzero.checkpoint.format import (
     FORMAT,
     MANIFEST,
     SHARED_FILE,
@@ -45,15 +46,15 @@ from meshzero.checkpoint_io import (
     write_json,
     write_safetensors,
 )
-from meshzero.checkpoint_mesh import (
+from meshzero.checkpoint.mesh import (
     ModelPiece,
     check_mesh,
     mesh_manifest,
     model_piece,
     tensor_parallel_layouts,
 )
-from meshzero.checkpoint_mesh import on_all_ranks as _on_all_ranks
-from meshzero.checkpoint_state import (
+from meshzero.checkpoint.mesh import on_all_ranks as _on_all_ranks
+from meshzero.checkpoint.state import (
     ModelNames,
     buffer_items,
     check_optimizer,
@@ -67,18 +68,14 @@ from meshzero.checkpoint_state import (
     optimizer_files,
     optimizer_items,
     optimizer_metadata,
-    param_targets,
     rng_files,
     rng_items,
     scheduler_metadata,
 )
-from meshzero.checkpoint_weights import consolidate, load_weights, save_16bit_model
+from meshzero.checkpoint.training import TrainingState
+from meshzero.zero.fragment_views import fragment_views
 
-if TYPE_CHECKING:
-    from meshzero.engine import Engine
-
-__all__ = ["consolidate", "load_checkpoint", "load_weights", "save_16bit_model",
-           "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,58 +83,57 @@ PIECE_NOTE = "piece.json"  # a piece's metadata, for world rank 0 to turn into i
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, save_dir: str | os.PathLike, tag: str | None = None,
+def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: Any = None) -> str:
     """Write tag ``tag`` (default ``global_step{N}``) under ``save_dir``; collective.
 
     Returns the tag's directory. ``client_state`` must be JSON-serialisable; it comes back
     from :func:`load_checkpoint`.
     """
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = f"global_step{state.counters.global_steps}" if tag is None else str(tag)
     check_tag(tag)
     check_json(client_state, "client_state")
-    names = model_names(engine)
-    piece = model_piece(engine)
-    meta = _manifest_metadata(engine, names, piece, tag, client_state)  # before any write
+    names = model_names(state)
+    piece = model_piece(state)
+    meta = _manifest_metadata(state, names, piece, tag, client_state)  # before any write
     save_dir = Path(save_dir)
-    first = engine.topology.rank == 0  # world rank 0 prepares and commits
+    first = state.topology.rank == 0  # world rank 0 prepares and commits
     t0 = time.perf_counter()
 
     def write() -> None:
         directory = piece.directory(tmp_dir(save_dir, tag))
         if piece.file_rank == 0:
             write_json(directory / PIECE_NOTE, meta)
-        write_rank_state(engine, names, piece, directory)
+        write_rank_state(state, names, piece, directory)
 
-    _on_all_ranks(engine, "prepare", lambda: _prepare(save_dir, tag, piece) if first else None)
-    _on_all_ranks(engine, "write", write)
-    _on_all_ranks(engine, "commit",
-                  lambda: _commit(engine, piece, save_dir, tag, meta) if first else None)
+    _on_all_ranks(state, "prepare", lambda: _prepare(save_dir, tag, piece) if first else None)
+    _on_all_ranks(state, "write", write)
+    _on_all_ranks(state, "commit",
+                  lambda: _commit(state, piece, save_dir, tag, meta) if first else None)
     logger.info("saved checkpoint %s in %.3f s", save_dir / tag, time.perf_counter() - t0)
     return str(save_dir / tag)
 
 
-def _manifest_metadata(engine: Engine, names: ModelNames, piece: ModelPiece, tag: str,
+def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiece, tag: str,
                        client_state: Any) -> dict:
     from meshzero import __version__
 
     meta = {
         "format": FORMAT, "version": VERSION, "tag": tag, "meshzero_version": __version__,
         "torch_version": torch.__version__, "world_size": piece.num_files,
-        "mesh": dict(engine.topology.sizes), "stage": engine.zero_stage,
-        "compute_dtype": dtype_name(engine.compute_dtype), "saved_param_dtype": "float32",
-        **model_metadata(engine, names),
-        "optimizer": optimizer_metadata(engine),
-        "scheduler": scheduler_metadata(engine),
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "steps": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                  "skipped_steps": engine.skipped_steps},
+        "mesh": dict(state.topology.sizes), "stage": state.zero_stage,
+        "compute_dtype": dtype_name(state.compute_dtype), "saved_param_dtype": "float32",
+        **model_metadata(state, names),
+        "optimizer": optimizer_metadata(state),
+        "scheduler": scheduler_metadata(state),
+        "loss_scaler": state.loss_scaler.state_dict(),
+        "steps": dataclasses.asdict(state.counters),  # global, micro, skipped steps
         "client_state": client_state,
     }
     if piece.split:
         meta["piece"] = {"pp": piece.pp, "tp": piece.tp}
     if piece.tp_size > 1:
-        meta["tensor_parallel"] = tensor_parallel_layouts(engine.module)
+        meta["tensor_parallel"] = tensor_parallel_layouts(state.module)
     check_json(meta, "checkpoint metadata")
     return meta
 
@@ -148,7 +144,7 @@ def _prepare(save_dir: Path, tag: str, piece: ModelPiece) -> None:
         directory.mkdir(exist_ok=True)
 
 
-def write_rank_state(engine: Engine, names: ModelNames, piece: ModelPiece,
+def write_rank_state(state: TrainingState, names: ModelNames, piece: ModelPiece,
                      directory: Path) -> None:
     """This rank's safetensors file in its piece's directory (+ ``shared.safetensors`` on
     the piece's first rank) and a small JSON note for world rank 0 to merge into the
@@ -159,11 +155,11 @@ def write_rank_state(engine: Engine, names: ModelNames, piece: ModelPiece,
                             "extra_state": {}}
     items = []
     # at stage 0 every rank owns everything: the first one writes it
-    if piece.writes_state and (engine.zero_stage > 0 or engine.comm.rank == 0):
-        for view, name, start, end in param_targets(engine, for_load=False):
+    if piece.writes_state and (state.zero_stage > 0 or state.zero.comm.rank == 0):
+        for view, name, start, end in fragment_views(state.zero.groups, for_load=False):
             spec = TensorSpec(piece_key(name, start, end, "master"), torch.float32, (end - start,))
             items.append((spec, view))
-        items += optimizer_items(engine, info)
+        items += optimizer_items(state, info)
     items += rng_items(rank, info)
     files = [_write_items(directory / rank_file(rank), items)]
     if rank == 0 and names.buffers:
@@ -180,7 +176,7 @@ def _write_items(path: Path, items: list) -> dict:
             "keys": [s.name for s in specs]}
 
 
-def _commit(engine: Engine, piece: ModelPiece, save_dir: Path, tag: str, meta: dict) -> None:
+def _commit(state: TrainingState, piece: ModelPiece, save_dir: Path, tag: str, meta: dict) -> None:
     """World rank 0: every piece's manifest from its ranks' notes, the tag's manifest (when
     the model is cut into pieces), then rename and update latest."""
     tmp = tmp_dir(save_dir, tag)
@@ -189,7 +185,7 @@ def _commit(engine: Engine, piece: ModelPiece, save_dir: Path, tag: str, meta: d
         _write_piece_manifest(directory, json.loads(note.read_text()), piece.num_files)
         note.unlink()
     if piece.split:
-        write_json(tmp / MANIFEST, mesh_manifest(engine, meta))
+        write_json(tmp / MANIFEST, mesh_manifest(state, meta))
     commit_tag(save_dir, tag)
 
 
@@ -209,7 +205,7 @@ def _write_piece_manifest(directory: Path, meta: dict, num_files: int) -> None:
 
 
 # -- load ------------------------------------------------------------------------------------
-def load_checkpoint(engine: Engine, load_dir: str | os.PathLike, tag: str | None = None,
+def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
     """Load tag ``tag`` (default: the one ``latest`` names) at any data-parallel size and
@@ -220,64 +216,65 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike, tag: str | None
         logger.warning("%s has no 'latest' file: no checkpoint loaded", load_dir)
         return None, None
     t0 = time.perf_counter()
-    names = model_names(engine)
-    piece = model_piece(engine)
+    names = model_names(state)
+    piece = model_piece(state)
 
     def open_piece() -> tuple[dict, CheckpointReader]:
         top = read_manifest(directory)
-        check_mesh(engine, top, str(directory))
+        check_mesh(state, top, str(directory))
         where = piece.directory(directory)
         return top, CheckpointReader(where, top if where == directory else read_manifest(where))
 
-    top, opened = _on_all_ranks(engine, "manifest", open_piece)
+    top, opened = _on_all_ranks(state, "manifest", open_piece)
     manifest = opened.manifest
     with opened as reader:
         def validate() -> dict[str, str]:
-            rename = match_names(names, engine, manifest, str(reader.directory))
-            files = _param_files(engine, reader, rename) | rng_files(reader, piece.file_rank)
+            rename = match_names(names, state, manifest, str(reader.directory))
+            files = _param_files(state, reader, rename) | rng_files(reader, piece.file_rank)
             if names.buffers:
                 files |= {reader.file_of(f"{n}|buffer") for n in names.buffers}
             if load_lr_scheduler_states:
-                check_scheduler(engine, manifest["scheduler"])
+                check_scheduler(state, manifest["scheduler"])
             if load_optimizer_states:
-                check_optimizer(engine, manifest["optimizer"], rename)
-                files |= optimizer_files(engine, reader, manifest["optimizer"], rename)
+                check_optimizer(state, manifest["optimizer"], rename)
+                files |= optimizer_files(state, reader, manifest["optimizer"], rename)
             reader.verify(files)  # every file this rank reads, against the manifest's sha256
             return rename
 
-        rename = _on_all_ranks(engine, "validation", validate)
-        _on_all_ranks(engine, "read", lambda: _apply(engine, names, reader, manifest, rename,
+        rename = _on_all_ranks(state, "validation", validate)
+        _on_all_ranks(state, "read", lambda: _apply(state, names, reader, manifest, rename,
                                                     piece.file_rank, load_optimizer_states,
                                                     load_lr_scheduler_states))
-    engine.zero.optim_state.sync_params()
+    state.zero.optim_state.sync_params()
     logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.3f s", directory,
                 top["world_size"], top["stage"], time.perf_counter() - t0)
     return str(directory), top["client_state"]
 
 
-def _param_files(engine: Engine, reader: CheckpointReader, rename: dict[str, str]) -> set[int]:
+def _param_files(state: TrainingState, reader: CheckpointReader, rename: dict[str, str]
+                 ) -> set[int]:
     files = set()
-    for _, name, start, end in param_targets(engine, for_load=True):
+    for _, name, start, end in fragment_views(state.zero.groups, for_load=True):
         files |= {p.file for p in reader.locate(rename[name], "master", start, end)}
     return files
 
 
-def _apply(engine: Engine, names: ModelNames, reader: CheckpointReader, manifest: dict,
+def _apply(state: TrainingState, names: ModelNames, reader: CheckpointReader, manifest: dict,
            rename: dict[str, str], file_rank: int, load_optimizer_states: bool,
            load_lr_scheduler_states: bool) -> None:
     """Local part of a load (no collectives): values, buffers, optimizer, scheduler, RNG."""
     with torch.no_grad():
-        for view, name, start, end in param_targets(engine, for_load=True):
+        for view, name, start, end in fragment_views(state.zero.groups, for_load=True):
             view.copy_(reader.read(rename[name], "master", start, end))
         for name, buf in names.buffers.items():
             buf.copy_(reader.read_whole(f"{name}|buffer"))
     if load_optimizer_states:
-        load_optimizer(engine, reader, manifest["optimizer"], rename)
-        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        load_optimizer(state, reader, manifest["optimizer"], rename)
+        state.loss_scaler.load_state_dict(manifest["loss_scaler"])
     if load_lr_scheduler_states:
-        load_scheduler(engine, manifest["scheduler"], set_lr=not load_optimizer_states)
+        load_scheduler(state, manifest["scheduler"], set_lr=not load_optimizer_states)
     steps = manifest["steps"]
-    engine.global_steps = steps["global_steps"]
-    engine.micro_steps = steps["micro_steps"]
-    engine.skipped_steps = steps["skipped_steps"]
+    state.counters.global_steps = steps["global_steps"]
+    state.counters.micro_steps = steps["micro_steps"]
+    state.counters.skipped_steps = steps["skipped_steps"]
     load_rng(reader, manifest["rng"], file_rank)

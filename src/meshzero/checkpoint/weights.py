@@ -5,7 +5,7 @@ model in the compute dtype, and pretrained weights loaded into a sharded engine;
     consolidate       checkpoint -> model.safetensors (or shards + index), one CPU process
     save_16bit_model  live engine -> model.safetensors in the compute dtype (one writer per
                       pipeline stage; with pp > 1 one file per stage and an index)
-    load_weights      model.safetensors (or index) -> the sharded engine, each rank reading
+    load_weights      model.safetensors (or index) -> the sharded state, each rank reading
                       only its fragments (a tp-sharded parameter: read whole, then cut)
 """
 
@@ -17,23 +17,19 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from meshzero.checkpoint_io import (
+from meshzero.checkpoint.format import (
     CheckpointReader,
     TensorSpec,
     dtype_from_name,
     read_manifest,
     resolve_tag,
 )
-from meshzero.checkpoint_mesh import on_all_ranks, piece_name, tensor_parallel_layouts
-from meshzero.checkpoint_state import ModelNames, model_names, param_targets
-from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
-from meshzero.parallel.tensor import gather_tp_tensor
-from meshzero.weights_io import (
+from meshzero.checkpoint.mesh import on_all_ranks, piece_name, tensor_parallel_layouts
+from meshzero.checkpoint.model_files import (
     INDEX_SUFFIX,
     WeightsReader,
     parse_size,
@@ -41,9 +37,11 @@ from meshzero.weights_io import (
     write_index,
     write_model_files,
 )
-
-if TYPE_CHECKING:
-    from meshzero.engine import Engine
+from meshzero.checkpoint.state import ModelNames, model_names
+from meshzero.checkpoint.training import TrainingState
+from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
+from meshzero.parallel.tensor import gather_tp_tensor
+from meshzero.zero.fragment_views import fragment_views
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +120,7 @@ def _full_shape(shape: tuple[int, ...], layout: ShardLayout | None, tp: int
     return tuple(reversed(full)) if layout.transposed else tuple(full)
 
 
-def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
+def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
                      save_filename: str = "model.safetensors") -> str | None:
     """The full model in the compute dtype (fp32 when training in fp32) as safetensors under
     the model's own names; collective (each ZeRO group is gathered in turn, tp slices are
@@ -132,12 +130,12 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
     if not save_filename.endswith(".safetensors") or Path(save_filename).name != save_filename:
         raise ValueError(f"save_filename {save_filename!r} must be a plain name ending in "
                          ".safetensors")
-    names = model_names(engine)
-    dtype = engine.compute_dtype
-    t = engine.topology
-    layouts = _layouts(engine)
+    names = model_names(state)
+    dtype = state.compute_dtype
+    t = state.topology
+    layouts = _layouts(state)
     specs = []
-    for group in engine.zero.groups:
+    for group in state.zero.groups:
         for slot in group.layout.slots:
             shape = _full_shape(slot.shape, layouts.get(slot.name), t.tp_size)
             for name in [slot.name, *names.aliases_of(slot.name)]:
@@ -146,12 +144,12 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
     specs += [TensorSpec(n, out_dtype[n], tuple(b.shape)) for n, b in names.buffers.items()]
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-        for group in engine.zero.groups:
-            flat = engine.zero.full_fp32(group)  # collective at stages 1-3
+        for group in state.zero.groups:
+            flat = state.zero.full_fp32(group)  # collective at stages 1-3
             for slot in group.layout.slots:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 if slot.name in layouts:  # collective over tp
-                    value = gather_tp_tensor(value.to(engine.device), layouts[slot.name],
+                    value = gather_tp_tensor(value.to(state.device), layouts[slot.name],
                                              t.groups["tp"]).cpu()
                 for name in [slot.name, *names.aliases_of(slot.name)]:
                     yield name, value.to(dtype)
@@ -169,20 +167,20 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike,
             for _ in stream:  # keep taking part in the gathers, whatever happened here
                 pass
 
-    on_all_ranks(engine, "save_16bit_model", write)
+    on_all_ranks(state, "save_16bit_model", write)
     path = Path(save_dir) / save_filename
     if t.pp_size > 1:
         path = Path(save_dir) / (save_filename + INDEX_SUFFIX)
-        on_all_ranks(engine, "save_16bit_model index", lambda: _write_index(
+        on_all_ranks(state, "save_16bit_model index", lambda: _write_index(
             Path(save_dir), save_filename, files) if t.rank == 0 else None)
     return str(path) if t.rank == 0 else None
 
 
-def _layouts(engine: Engine) -> dict[str, ShardLayout]:
-    if engine.topology.tp_size == 1:
+def _layouts(state: TrainingState) -> dict[str, ShardLayout]:
+    if state.topology.tp_size == 1:
         return {}
     return {name: ShardLayout(**fields)
-            for name, fields in tensor_parallel_layouts(engine.module).items()}
+            for name, fields in tensor_parallel_layouts(state.module).items()}
 
 
 def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:
@@ -199,24 +197,24 @@ def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:
     write_index(save_dir, filename, weight_map, total)
 
 
-def load_weights(engine: Engine, path: str | os.PathLike) -> None:
+def load_weights(state: TrainingState, path: str | os.PathLike) -> None:
     """Load ``model.safetensors`` (a file, an index, or a directory holding one) into the
     sharded engine; collective. Each rank reads only the rows holding its fragments; under
     tensor parallelism a tp-sharded parameter is read whole and cut to the rank's slice,
     and under pipeline parallelism each rank takes its stages' names."""
-    names = model_names(engine)
-    t = engine.topology
-    layouts = _layouts(engine)
+    names = model_names(state)
+    t = state.topology
+    layouts = _layouts(state)
 
     def validate() -> tuple[WeightsReader, dict[str, str]]:
         reader = WeightsReader(path)
-        return reader, _match_weights(engine, names, reader, str(path), layouts)
+        return reader, _match_weights(state, names, reader, str(path), layouts)
 
-    reader, source = on_all_ranks(engine, "load_weights validation", validate)
+    reader, source = on_all_ranks(state, "load_weights validation", validate)
 
     def read() -> None:
         with torch.no_grad():
-            for view, name, start, end in param_targets(engine, for_load=True):
+            for view, name, start, end in fragment_views(state.zero.groups, for_load=True):
                 if name in layouts:  # the full tensor, cut as tensor parallelism cut it
                     full = reader.read_whole(source[name])
                     full = full.t() if layouts[name].transposed else full
@@ -227,12 +225,12 @@ def load_weights(engine: Engine, path: str | os.PathLike) -> None:
             for name, buf in names.buffers.items():
                 buf.copy_(reader.read_whole(name))
 
-    on_all_ranks(engine, "load_weights", read)
-    engine.zero.optim_state.sync_params()
+    on_all_ranks(state, "load_weights", read)
+    state.zero.optim_state.sync_params()
     logger.info("loaded weights from %s", path)
 
 
-def _match_weights(engine: Engine, names: ModelNames, reader: WeightsReader, where: str,
+def _match_weights(state: TrainingState, names: ModelNames, reader: WeightsReader, where: str,
                    layouts: dict[str, ShardLayout]) -> dict[str, str]:
     """``{canonical param: name in the file}`` (a tied parameter may be stored under any of
     its names, also those of another pipeline stage); ValueError listing missing and
@@ -240,12 +238,12 @@ def _match_weights(engine: Engine, names: ModelNames, reader: WeightsReader, whe
     present = set(reader.names())
     model_order = set(names.order)
     tied: dict[str, tuple[str, ...]] = {}
-    if engine.pipeline is not None:  # the other stages' names are expected in the file
-        model_order = set(engine.pipeline.state_dict_keys)
-        tied = {n: t.names for t in engine.pipeline.tied_parameters for n in t.names}
-    tp = engine.topology.tp_size
+    if state.pipeline is not None:  # the other stages' names are expected in the file
+        model_order = set(state.pipeline.state_dict_keys)
+        tied = {n: t.names for t in state.pipeline.tied_parameters for n in t.names}
+    tp = state.topology.tp_size
     source, missing, mismatched = {}, [], []
-    for name, slot in engine.zero.layout.slots.items():
+    for name, slot in state.zero.layout.slots.items():
         candidates = [name, *names.aliases_of(name), *tied.get(name, ())]
         found = [n for n in candidates if n in present]
         if not found:

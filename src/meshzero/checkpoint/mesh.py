@@ -25,16 +25,14 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshzero.checkpoint.training import TrainingState
 from meshzero.comm import Communicator
-
-if TYPE_CHECKING:
-    from meshzero.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -68,12 +66,11 @@ def piece_name(pp: int, tp: int) -> str:
     return f"pp{pp}_tp{tp}"
 
 
-def model_piece(engine: Engine) -> ModelPiece:
-    t = engine.topology
-    replica = engine.replica_comm
+def model_piece(state: TrainingState) -> ModelPiece:
+    t = state.topology
     return ModelPiece(pp=t.coords["pp"], tp=t.coords["tp"], pp_size=t.pp_size,
                       tp_size=t.tp_size, file_rank=t.dp_rank, num_files=t.dp_size,
-                      writes_state=replica is None or replica.rank == 0)
+                      writes_state=state.writes_state)
 
 
 def tensor_parallel_layouts(module: nn.Module) -> dict[str, dict]:
@@ -89,11 +86,11 @@ def tensor_parallel_layouts(module: nn.Module) -> dict[str, dict]:
     return out
 
 
-def check_mesh(engine: Engine, manifest: dict, where: str) -> None:
+def check_mesh(state: TrainingState, manifest: dict, where: str) -> None:
     """ValueError unless the checkpoint was cut into pieces by the same tp and pp sizes."""
     saved = manifest.get("mesh", {})
     saved_tp, saved_pp = saved.get("tp", 1), saved.get("pp", 1)
-    tp, pp = engine.topology.tp_size, engine.topology.pp_size
+    tp, pp = state.topology.tp_size, state.topology.pp_size
     if (saved_tp, saved_pp) != (tp, pp):
         raise ValueError(
             f"checkpoint {where} was saved with tensor_parallel.size {saved_tp} and "
@@ -102,18 +99,18 @@ def check_mesh(engine: Engine, manifest: dict, where: str) -> None:
             "pipeline_parallel.size (the data-parallel size and ZeRO stage may differ)")
 
 
-def mesh_manifest(engine: Engine, piece_meta: dict) -> dict:
+def mesh_manifest(state: TrainingState, piece_meta: dict) -> dict:
     """The top-level manifest of a tag cut into pieces: what describes the whole run (taken
     from this rank's piece metadata) and the piece directories; no files of its own."""
     keep = ("format", "version", "tag", "meshzero_version", "torch_version", "mesh", "stage",
             "compute_dtype", "steps", "client_state")
-    t = engine.topology
+    t = state.topology
     return {**{k: piece_meta[k] for k in keep}, "world_size": t.world_size,
             "pieces": [piece_name(p, q) for p in range(t.pp_size) for q in range(t.tp_size)],
             "files": []}
 
 
-def on_all_ranks(engine: Engine, what: str, fn: Callable[[], Any]) -> Any:
+def on_all_ranks(state: TrainingState, what: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank of the world, then agree: if it failed anywhere, it fails
     everywhere (a rank that raised alone would leave the others waiting in the next
     collective)."""
@@ -124,9 +121,9 @@ def on_all_ranks(engine: Engine, what: str, fn: Callable[[], Any]) -> Any:
     except Exception as exc:  # re-raised below, after the others know
         error = exc
     failed = int(error is not None)
-    if engine.topology.world_size > 1:
-        world = Communicator(dist.group.WORLD, "checkpoint", engine.comm_stats)
-        flag = torch.tensor([failed], dtype=torch.int32, device=engine.device)
+    if state.topology.world_size > 1:
+        world = Communicator(dist.group.WORLD, "checkpoint", state.stats)
+        flag = torch.tensor([failed], dtype=torch.int32, device=state.device)
         world.all_reduce(flag).wait()
         failed = int(flag.item())
     if error is not None:

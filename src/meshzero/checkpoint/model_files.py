@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshzero.checkpoint_io import TensorSpec, read_flat, write_json, write_safetensors
+from meshzero.checkpoint.format import TensorSpec, read_flat, write_json, write_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """What a checkpoint holds besides parameter values, captured from and restored into a live
-engine: optimizer state per fragment, optimizer hyperparameters, scheduler, RNG states, and
+run: optimizer state per fragment, optimizer hyperparameters, scheduler, RNG states, and
 the model's names (canonical parameters, tied aliases, buffers).
 
 Optimizer state is stored per fragment and keyed by parameter name and element range (see
-checkpoint_io), so it reshards like the parameters: a tensor shaped like the fragment is cut
+format.py), so it reshards like the parameters: a tensor shaped like the fragment is cut
 by element ("element" state: Adam's exp_avg, exp_avg_sq); a 0-dim tensor ("scalar" state:
 Adam's step) is stored once per fragment and read back from any piece that overlaps.
 """
@@ -13,23 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from meshzero.checkpoint_io import (
+from meshzero.checkpoint.format import (
     CheckpointReader,
     TensorSpec,
     check_json,
     dtype_name,
     piece_key,
 )
+from meshzero.checkpoint.training import TrainingState
 from meshzero.log import warn_once
-
-if TYPE_CHECKING:
-    from meshzero.engine import Engine
 
 try:  # numpy is a declared dependency; the guard keeps a broken install loadable
     import numpy as np
@@ -54,10 +51,10 @@ class ModelNames:
         return [a for a, c in self.aliases.items() if c == canonical]
 
 
-def model_names(engine: Engine) -> ModelNames:
-    canonical = {id(p): name for name, p in engine.module.named_parameters()}
+def model_names(state: TrainingState) -> ModelNames:
+    canonical = {id(p): name for name, p in state.module.named_parameters()}
     aliases, buffers, order = {}, {}, []
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in state.module.state_dict(keep_vars=True).items():
         order.append(name)
         if id(t) not in canonical:
             buffers[name] = t
@@ -83,32 +80,11 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def param_targets(engine: Engine, *, for_load: bool
-                  ) -> Iterator[tuple[torch.Tensor, str, int, int]]:
-    """``(flat view, name, start, end)`` for every fragment whose values this rank saves
-    (its owned range) or loads (the owned range; for resident frozen groups the whole
-    buffer, which no all-gather refills)."""
-    for group in engine.zero.groups:
-        lo, hi = group.owned
-        if group.trainable:
-            target = group.master
-        elif group.sharded:  # frozen, stage 3: the shard is the owned range
-            target = group.shard
-        elif for_load:
-            lo, hi = 0, group.layout.padded_numel
-            target = group.full
-        else:
-            target = group.full[lo:hi]
-        for frag in group.layout.fragments(lo, hi):
-            a = frag.local_offset
-            yield target[a:a + frag.numel], frag.slot.name, frag.start, frag.end
-
-
 # -- optimizer -------------------------------------------------------------------------------
-def optimizer_metadata(engine: Engine) -> dict:
+def optimizer_metadata(state: TrainingState) -> dict:
     """Class and per-group hyperparameters (JSON-able ones; others are skipped with a warning)."""
     groups = []
-    for i, group in enumerate(engine.optimizer.param_groups):
+    for i, group in enumerate(state.optimizer.param_groups):
         kept = {}
         for key, value in group.items():
             if key == "params":
@@ -119,17 +95,17 @@ def optimizer_metadata(engine: Engine) -> dict:
                 warn_once(logger, f"optimizer param_groups[{i}][{key!r}] is not JSON-serialisable"
                                   " and is not saved in checkpoints")
         groups.append(kept)
-    return {"class": qualname(engine.optimizer), "param_groups": groups}
+    return {"class": qualname(state.optimizer), "param_groups": groups}
 
 
-def optimizer_items(engine: Engine, info: dict) -> list[Item]:
+def optimizer_items(state: TrainingState, info: dict) -> list[Item]:
     """This rank's optimizer state tensors as checkpoint items; group membership, state kinds
     and non-tensor state go into ``info`` (merged over ranks into the manifest)."""
-    opt = engine.optimizer
+    opt = state.optimizer
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     kinds, members, extra = info["state_kinds"], info["param_group_of"], info["extra_state"]
     items: list[Item] = []
-    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+    for leaf, frag, _ in state.zero.optim_state.fragment_index:
         name = frag.slot.name
         members[name] = group_of[id(leaf)]
         for kind, value in opt.state.get(leaf, {}).items():
@@ -150,9 +126,9 @@ def optimizer_items(engine: Engine, info: dict) -> list[Item]:
     return items
 
 
-def check_optimizer(engine: Engine, saved: dict, rename: dict[str, str]) -> None:
+def check_optimizer(state: TrainingState, saved: dict, rename: dict[str, str]) -> None:
     """ValueError if the saved optimizer state cannot go into this engine's optimizer."""
-    opt = engine.optimizer
+    opt = state.optimizer
     if saved["class"] != qualname(opt):
         raise ValueError(f"the checkpoint's optimizer is {saved['class']}, this engine's is "
                          f"{qualname(opt)}; pass load_optimizer_states=False to load only "
@@ -161,47 +137,47 @@ def check_optimizer(engine: Engine, saved: dict, rename: dict[str, str]) -> None
         raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param "
                          f"groups, this engine's has {len(opt.param_groups)}")
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
-    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+    for leaf, frag, _ in state.zero.optim_state.fragment_index:
         want = saved["param_group_of"].get(rename[frag.slot.name])
         if want is not None and want != group_of[id(leaf)]:
             raise ValueError(f"parameter {frag.slot.name} is in param group "
                              f"{group_of[id(leaf)]} but was saved in group {want}")
 
 
-def load_optimizer(engine: Engine, reader: CheckpointReader, saved: dict,
+def load_optimizer(state: TrainingState, reader: CheckpointReader, saved: dict,
                    rename: dict[str, str]) -> None:
     """Hyperparameters per group, then the state of every fragment (read by element range)."""
-    opt = engine.optimizer
+    opt = state.optimizer
     for group, hyper in zip(opt.param_groups, saved["param_groups"], strict=True):
         for key, value in hyper.items():
             if key in group:
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     opt.state.clear()
-    for leaf, frag, _ in engine.zero.optim_state.fragment_index:
+    for leaf, frag, _ in state.zero.optim_state.fragment_index:
         name = rename[frag.slot.name]
         pg = group_of[id(leaf)]
         # torch keeps Adam's step on the CPU unless the kernels are fused or capturable
         scalar_device = leaf.device if pg.get("fused") or pg.get("capturable") else "cpu"
-        state: dict[str, Any] = {}
+        values: dict[str, Any] = {}
         for kind, how in saved["state_kinds"].items():
             key = f"optim.{kind}"
             if not reader.has(name, key):
                 continue
             if how == "element":
-                state[kind] = reader.read(name, key, frag.start, frag.end).to(leaf.device)
+                values[kind] = reader.read(name, key, frag.start, frag.end).to(leaf.device)
             else:
-                state[kind] = reader.read_scalar(name, key, frag.start, frag.end).to(
+                values[kind] = reader.read_scalar(name, key, frag.start, frag.end).to(
                     scalar_device)
-        state.update(saved["extra_state"].get(name, {}))
-        if state:
-            opt.state[leaf] = state
+        values.update(saved["extra_state"].get(name, {}))
+        if values:
+            opt.state[leaf] = values
 
 
-def optimizer_files(engine: Engine, reader: CheckpointReader, saved: dict,
+def optimizer_files(state: TrainingState, reader: CheckpointReader, saved: dict,
                     rename: dict[str, str]) -> set[int]:
     files = set()
-    for _, frag, _ in engine.zero.optim_state.fragment_index:
+    for _, frag, _ in state.zero.optim_state.fragment_index:
         name = rename[frag.slot.name]
         for kind in saved["state_kinds"]:
             if reader.has(name, f"optim.{kind}"):
@@ -211,26 +187,26 @@ def optimizer_files(engine: Engine, reader: CheckpointReader, saved: dict,
 
 
 # -- scheduler -------------------------------------------------------------------------------
-def scheduler_metadata(engine: Engine) -> dict | None:
-    sched = engine.lr_scheduler
+def scheduler_metadata(state: TrainingState) -> dict | None:
+    sched = state.lr_scheduler
     if sched is None:
         return None
-    state = sched.state_dict()
-    check_json(state, f"the state_dict of lr scheduler {qualname(sched)}")
-    return {"class": qualname(sched), "state": state}
+    values = sched.state_dict()
+    check_json(values, f"the state_dict of lr scheduler {qualname(sched)}")
+    return {"class": qualname(sched), "state": values}
 
 
-def check_scheduler(engine: Engine, saved: dict | None) -> None:
-    sched = engine.lr_scheduler
+def check_scheduler(state: TrainingState, saved: dict | None) -> None:
+    sched = state.lr_scheduler
     if sched is not None and saved is not None and saved["class"] != qualname(sched):
         raise ValueError(f"the checkpoint's lr scheduler is {saved['class']}, this engine's is "
                          f"{qualname(sched)}; pass load_lr_scheduler_states=False")
 
 
-def load_scheduler(engine: Engine, saved: dict | None, *, set_lr: bool) -> None:
+def load_scheduler(state: TrainingState, saved: dict | None, *, set_lr: bool) -> None:
     """Restore the scheduler; ``set_lr`` also puts its last lr into the param groups (when
     the optimizer's own hyperparameters were not loaded)."""
-    sched = engine.lr_scheduler
+    sched = state.lr_scheduler
     if sched is None or saved is None:
         if (sched is None) != (saved is None):
             warn_once(logger, "lr scheduler state not loaded: the checkpoint has "
@@ -239,7 +215,7 @@ def load_scheduler(engine: Engine, saved: dict | None, *, set_lr: bool) -> None:
         return
     sched.load_state_dict(saved["state"])
     if set_lr:
-        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr(), strict=False):
+        for group, lr in zip(state.optimizer.param_groups, sched.get_last_lr(), strict=False):
             group["lr"] = lr
 
 
@@ -282,17 +258,17 @@ def load_rng(reader: CheckpointReader, saved: dict, rank: int) -> None:
 
 
 # -- names -----------------------------------------------------------------------------------
-def model_metadata(engine: Engine, names: ModelNames) -> dict:
+def model_metadata(state: TrainingState, names: ModelNames) -> dict:
     """Parameter names, shapes and dtypes, aliases, buffers and the unit layout."""
     params = {}
-    for group in engine.zero.groups:
+    for group in state.zero.groups:
         for slot, p in zip(group.layout.slots, group.params, strict=True):
             params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(p.dtype),
                                  "requires_grad": group.trainable, "unit": slot.unit,
                                  "group": slot.group}
     buffers = {name: {"shape": list(b.shape), "dtype": dtype_name(_saved_dtype(b))}
                for name, b in names.buffers.items()}
-    layout = engine.zero.layout
+    layout = state.zero.layout
     units = [{"path": u.path, "groups": [
         {"requires_grad": g.requires_grad, "persistent": g.persistent, "numel": g.numel,
          "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
@@ -313,14 +289,15 @@ def buffer_items(names: ModelNames) -> list[Item]:
             for name, b in names.buffers.items()]
 
 
-def match_names(names: ModelNames, engine: Engine, manifest: dict, where: str) -> dict[str, str]:
+def match_names(names: ModelNames, state: TrainingState, manifest: dict, where: str
+                ) -> dict[str, str]:
     """``{model canonical param: checkpoint canonical param}``; ValueError listing missing
     and unexpected names and shape mismatches."""
     saved_order = set(manifest["state_dict"])
     missing = [n for n in names.order if n not in saved_order]
     unexpected = [n for n in manifest["state_dict"] if n not in set(names.order)]
     rename, mismatched = {}, []
-    for name, slot in engine.zero.layout.slots.items():
+    for name, slot in state.zero.layout.slots.items():
         src = manifest["aliases"].get(name, name)
         if src in manifest["params"]:
             rename[name] = src

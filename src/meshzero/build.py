@@ -1,0 +1,241 @@
+"""How a model becomes a trainable engine: the one place that orders the parallelisms.
+
+:func:`build` prepares a model in this order, each step needing the ones before it:
+
+1. process groups and communicators (the (pp, dp, tp) mesh; ZeRO's shard, MiCS and hpZ
+   communicators over dp)
+2. materialise (a factory or meta-device model, unit by unit, later by ZeRO) or broadcast
+   (an eager model: every rank starts from one rank's parameters)
+3. pipeline cut (this rank keeps its stage(s))
+4. tensor-parallel replacement (the planned layers of what is left become tp slices)
+5. ZeRO state (shards the parameters that remain on this rank over its dp ranks)
+6. optimizer (over ZeRO's fp32 master fragments), scheduler, loss scaler
+
+The engine (``engine.py``) then only runs steps on what this returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshzero.comm import CommStats, Communicator, broadcast_module
+from meshzero.config import Config
+from meshzero.optim import build_optimizer
+from meshzero.parallel.compose import (
+    apply_tp,
+    check_plan,
+    cut_pipeline,
+    model_parallel_comms,
+    norm_weights,
+)
+from meshzero.parallel.pipeline import Pipeline
+from meshzero.parallel.plans import shipped_plan
+from meshzero.precision import LossScaler
+from meshzero.schedulers import build_scheduler
+from meshzero.topology import Topology, build_topology, init_distributed
+from meshzero.zero.materialize import prepare_model
+from meshzero.zero.offload import HOST, OffloadOptions
+from meshzero.zero.state import ZeroModelState, ZeroOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Comms:
+    """The data-parallel communicators; all count into ``stats``."""
+
+    stats: CommStats
+    dp: Communicator  # all data-parallel ranks (gradient averaging, the broadcast)
+    shard: Communicator  # the ranks ZeRO shards over: dp, or a MiCS block of it
+    replica: Communicator | None  # MiCS: the same shard across blocks, else None
+    hpz: Communicator | None  # ZeRO++ hpZ: a block holding a secondary param shard
+
+
+@dataclass
+class Built:
+    """What :func:`build` prepared; the engine keeps these."""
+
+    topology: Topology
+    comms: Comms
+    batch: tuple[int, int, int]  # (train_batch_size, micro batch per rank, accumulation)
+    module: nn.Module
+    pipeline: Pipeline | None
+    zero: ZeroModelState
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    loss_scaler: LossScaler
+    model_parallel_comms: list[Communicator]  # over tp and pp, for norms and overflow
+    norm_weights: dict[int, float] | None  # id(param) -> weight in the global grad norm
+
+
+def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
+          optimizer: Any = None, model_parameters: Iterable[Any] | None = None,
+          lr_scheduler: Callable | None = None, loss_fn: Callable | None = None,
+          example_inputs: Any = None, pipeline_layout: Any = None) -> Built:
+    """Prepare ``model`` for training under ``config``, in the order of the module
+    docstring; collective over the world."""
+    # 1. groups first: every later step runs collectives on them
+    init_distributed()
+    topology = build_topology(config.tensor_parallel.size, config.pipeline_parallel.size,
+                              config.topology.ranks_per_node)
+    if topology.world_size > 1 and topology.rank == 0:
+        logger.info("%s", topology.rank_map())
+    batch = config.resolve_batch(topology.dp_size)  # the batch rule needs the dp size
+    if config.seed is not None:  # before materialising: initialisation draws from it
+        torch.manual_seed(config.seed)
+    comms = _communicators(topology, config)
+    # 2. materialise or broadcast, before the cuts: every rank cuts the same full model
+    model, materializer = prepare_model(model, config, comm=comms.dp, device=topology.device,
+                                        src=_dp_src(topology))
+    pipe = None
+    if materializer is not None and topology.tp_size * topology.pp_size > 1:
+        raise ValueError("zero_init / a model factory with tensor_parallel or "
+                         "pipeline_parallel is not supported yet; build the model eagerly")
+    if materializer is None:
+        model.to(topology.device)
+        _broadcast(model, topology, comms.dp)
+        # 3-4. pipeline cut, then tp on what this rank kept (tp plans name stage modules)
+        model, pipe = _cut(model, config, topology, batch, comms.stats, loss_fn=loss_fn,
+                           example_inputs=example_inputs, pipeline_layout=pipeline_layout)
+    # 5. ZeRO after the cuts: it shards only the parameters left on this rank
+    zero = _zero_state(model, config, topology, comms, materializer)
+    _cast_buffers(model, config.compute_dtype)
+    if materializer is not None:  # meta parameters the caller passed -> the real ones
+        optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
+    # 6. the optimizer steps on ZeRO's master fragments, so it comes after ZeRO
+    opt = build_optimizer(
+        model=model, fragments=zero.optim_state.fragments,
+        device=HOST if zero.offload.optimizer != "none" else topology.device,
+        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+    zero.attach_optimizer(opt)
+    return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
+                 zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
+                 loss_scaler=LossScaler.from_config(config.fp16),
+                 model_parallel_comms=model_parallel_comms(topology, comms.stats),
+                 norm_weights=norm_weights(model, topology, pipe))
+
+
+def _communicators(topology: Topology, config: Config) -> Comms:
+    """dp, and the MiCS / hpZ blocks of it: shard over blocks of ``mics_shard_size`` dp
+    ranks and all-reduce the gradient shards across the blocks."""
+    zc = config.zero_optimization
+    stats = CommStats()
+
+    def make(group, name: str) -> Communicator:
+        return Communicator(group, name, stats, async_ops=zc.overlap_comm,
+                            inter_node=topology.spans_nodes(group))
+
+    dp = make(topology.dp_group, "dp")
+    shard, replica = dp, None
+    mics = zc.mics_shard_size
+    if mics not in (-1, 0, 1) and mics != dp.size:
+        block, across = topology.dp_subgroups(mics)
+        shard, replica = make(block, "dp_shard"), make(across, "dp_replica")
+    hpz = None
+    if zc.zero_hpz_partition_size > 1:
+        hpz = make(topology.dp_subgroups(zc.zero_hpz_partition_size)[0], "dp_hpz")
+    return Comms(stats=stats, dp=dp, shard=shard, replica=replica, hpz=hpz)
+
+
+def _dp_src(topology: Topology) -> int:
+    """The global rank of dp rank 0 of this rank's dp group."""
+    group = topology.dp_group
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _broadcast(model: nn.Module, topology: Topology, dp: Communicator) -> None:
+    """Every rank starts from one rank's model: its dp group's first rank, or with tp/pp
+    (which slice the model) world rank 0, so every piece is cut from the same one."""
+    if topology.tp_size == 1 and topology.pp_size == 1:
+        broadcast_module(model, dp, src=_dp_src(topology))
+    elif topology.world_size > 1:
+        world = Communicator(dist.group.WORLD, "init", dp.stats)
+        broadcast_module(model, world, src=0)
+
+
+def _cut(model: nn.Module, config: Config, topology: Topology, batch: tuple[int, int, int],
+         stats: CommStats, **pipeline_args: Any) -> tuple[nn.Module, Pipeline | None]:
+    """``(module this rank trains, Pipeline or None)`` after the pipeline and tp cuts."""
+    pp, tp = config.pipeline_parallel, config.tensor_parallel
+    plan = shipped_plan(tp.plan) if tp.size > 1 else None
+    pipe = None
+    if pp.size > 1:
+        _check_pipeline_batches(config, topology, batch)
+        if plan is not None:  # on the whole model: a cut stage would miss other modules
+            check_plan(model, plan)
+        pipe = cut_pipeline(model, pp, topology=topology, device=topology.device,
+                            micro_batches=batch[2], sequence_parallel=tp.sequence_parallel,
+                            stats=stats, **pipeline_args)
+        model = pipe.module
+    if plan is not None:
+        model = apply_tp(model, plan, topology=topology, sequence_parallel=tp.sequence_parallel,
+                         stats=stats, pipe=pipe)
+    return model, pipe
+
+
+def _check_pipeline_batches(config: Config, topology: Topology,
+                            batch: tuple[int, int, int]) -> None:
+    pp = config.pipeline_parallel
+    global_batch, micro, accum = batch
+    if pp.micro_batches is not None and pp.micro_batches != accum:
+        raise ValueError(
+            f"pipeline_parallel.micro_batches ({pp.micro_batches}) != the gradient "
+            f"accumulation steps ({accum}, from train_batch_size {global_batch} / micro "
+            f"batch {micro} / dp {topology.dp_size}): the micro-batches of one pipeline step "
+            "are its accumulation steps")
+
+
+def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Comms,
+                materializer: Any) -> ZeroModelState:
+    zc = config.zero_optimization
+    options = ZeroOptions(
+        stage=zc.stage,
+        compute_dtype=config.compute_dtype,
+        comm_dtype=config.communication_dtype or torch.float32,
+        unit_classes=zc.unit_classes,
+        persistence_threshold=zc.stage3_param_persistence_threshold,
+        reduce_bucket_numel=zc.reduce_bucket_size,
+        allgather_bucket_numel=zc.allgather_bucket_size,
+        prefetch_numel=zc.stage3_prefetch_bucket_size,
+        max_live_numel=zc.stage3_max_live_parameters,
+        max_reuse_distance=zc.stage3_max_reuse_distance,
+        offload=OffloadOptions.from_config(zc),
+    )
+    return ZeroModelState(model, comms.shard, topology.device, options,
+                          materialize=materializer, secondary_comm=comms.hpz,
+                          replica_comm=comms.replica)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating buffers in the compute dtype (ZeRO casts the parameters)."""
+    if dtype == torch.float32:
+        return
+    for sub in module.modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf.is_floating_point():
+                setattr(sub, name, buf.to(dtype))
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, config: Config,
+               lr_scheduler: Callable | None) -> Any:
+    """The caller's ``lr_scheduler(optimizer)``, the config's ``scheduler``, or None."""
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ValueError("both lr_scheduler and the config key 'scheduler' are given; "
+                         "pass one of them")
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ValueError("lr_scheduler must be a callable optimizer -> scheduler (e.g. "
+                         "lambda opt: LambdaLR(opt, f)): meshzero builds the optimizer over "
+                         "shard fragments, so a scheduler bound to another optimizer "
+                         "cannot drive it")
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer)
+    if config.scheduler is not None:
+        return build_scheduler(optimizer, config.scheduler)
+    return None
