@@ -37,12 +37,19 @@ def _cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+def _counter(name: str) -> property:
+    """An engine attribute that reads and writes ``engine.counters.<name>``."""
+    return property(lambda self: getattr(self.counters, name),
+                    lambda self, value: setattr(self.counters, name, value),
+                    doc=f"StepCounters.{name}")
+
+
 class Engine(nn.Module):
     """Wraps the user's module; ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Callable[[], nn.Module],
         config: Config,
         *,
         optimizer: torch.optim.Optimizer | type | Callable | None = None,
@@ -84,30 +91,10 @@ class Engine(nn.Module):
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
 
-    # -- step counters (kept in one StepCounters, which checkpoints save and restore) --------
-    @property
-    def global_steps(self) -> int:
-        return self.counters.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.counters.global_steps = value
-
-    @property
-    def micro_steps(self) -> int:
-        return self.counters.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.counters.micro_steps = value
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.counters.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.counters.skipped_steps = value
+    # the step counters live in one StepCounters, which checkpoints save and restore
+    global_steps = _counter("global_steps")
+    micro_steps = _counter("micro_steps")
+    skipped_steps = _counter("skipped_steps")
 
     # -- DeepSpeed-style accessors ---------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
