@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import meshzero
+from meshzero import log as meshzero_log
 from meshzero.zero import offload as offload_mod
 from meshzero.zero.nvme import NvmeIOError
 from tests.distributed import REPO_ROOT, run_distributed
@@ -235,7 +236,7 @@ def test_pin_memory_without_cuda_warns_once(monkeypatch):
     handler.emit = records.append
     logger = logging.getLogger(offload_mod.__name__)
     logger.addHandler(handler)
-    monkeypatch.setattr(offload_mod, "_warned_pin", False)
+    monkeypatch.setattr(meshzero_log, "_WARNED", set())  # warn_once: once per process
     try:
         cfg = zero_config(3, global_batch=2)["zero_optimization"]
         cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
