@@ -138,6 +138,14 @@ def top_level_files() -> list[str]:
     return sorted(p.name for p in PACKAGE.glob("*.py"))
 
 
+MAX_TOP_LEVEL_FILES = 12
+
+
+def test_top_level_stays_small():
+    files = top_level_files()
+    assert len(files) <= MAX_TOP_LEVEL_FILES, f"{len(files)} files at the top level: {files}"
+
+
 def test_no_import_cycles():
     assert import_cycles(import_graph()) == []
 
