@@ -259,7 +259,7 @@ class Settings:
         return self.config.dp_size(world_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings by the estimator's names (as JSON: tuples become lists)."""
+        """The settings by the estimator's names (the "settings" of an estimate's JSON)."""
         names = ("stage", "precision", "optimizer", "amsgrad", "momentum", "optimizer_assumed",
                  "micro_batch", "grad_accum", *OWN_KEYS, *CONFIG_KEYS)
         return {name: getattr(self, name) for name in dict.fromkeys(names)}
