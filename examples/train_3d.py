@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import meshzero
 from meshzero.demo.gpt import GPT, GPTConfig, loss_fn
-from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT
+from meshzero.demo.layout import GPT_LAYOUT
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (micro, gpt.block_size))
     engine, *_ = meshzero.initialize(model=GPT(gpt), config=config, loss_fn=loss_fn,
-                                     example_inputs=tokens, pipeline_layout=DEMO_GPT_LAYOUT)
+                                     example_inputs=tokens, pipeline_layout=GPT_LAYOUT)
     gen = torch.Generator().manual_seed(engine.topology.dp_rank)
     for step in range(args.steps):
         batch = [(torch.randint(0, 256, (micro, gpt.block_size), generator=gen),

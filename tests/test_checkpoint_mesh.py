@@ -19,7 +19,7 @@ import meshzero
 from meshzero.checkpoint import consolidate
 from meshzero.demo.gpt import GPT
 from meshzero.demo.gpt import loss_fn as gpt_loss
-from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT
+from meshzero.demo.layout import GPT_LAYOUT
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
 from tests.test_checkpoint import WARMUP
@@ -58,7 +58,7 @@ def _engine(world_size: int, stage: int, tp: int, pp: int, mics: int, seed: int 
     torch.manual_seed(seed)  # seed 1: other weights than the saved run, so the load must count
     engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=cfg, loss_fn=gpt_loss,
                                      example_inputs=_batches()[0][0][:micro],
-                                     pipeline_layout=DEMO_GPT_LAYOUT)
+                                     pipeline_layout=GPT_LAYOUT)
     return engine
 
 

@@ -10,8 +10,8 @@ import torch
 import meshzero
 from meshzero.cli import main
 from meshzero.demo.gpt import loss_fn
+from meshzero.demo.layout import GPT_LAYOUT
 from meshzero.estimate import Cluster, Estimator, estimate, load_model, settings_from_config
-from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT
 from tests.distributed import run_distributed
 from tests.test_estimate import TINY_GPT, tiny_gpt
 
@@ -42,7 +42,7 @@ def _mesh_reports(rank: int, world: int, configs: list[dict]) -> list[dict]:
         engine, *_ = meshzero.initialize(
             model=tiny_gpt(), config=config, loss_fn=loss_fn if pp > 1 else None,
             example_inputs=x if pp > 1 else None,
-            pipeline_layout=DEMO_GPT_LAYOUT if pp > 1 else None)
+            pipeline_layout=GPT_LAYOUT if pp > 1 else None)
         if pp > 1:
             engine.train_batch(iter([(x, x)] * 2))
         else:
@@ -53,7 +53,7 @@ def _mesh_reports(rank: int, world: int, configs: list[dict]) -> list[dict]:
 
 
 def _check(world: int, configs: list[dict], measured: list[list[dict]]) -> None:
-    estimator = Estimator(load_model(tiny_gpt))
+    estimator = Estimator(load_model(tiny_gpt), pipeline_layout=GPT_LAYOUT)  # as the engine
     for i, config in enumerate(configs):
         s = settings_from_config(config, world)
         dp = s.dp_size(world)
@@ -92,7 +92,7 @@ def test_activations_and_flops_are_per_rank():
     assert 0.4 * base.flops_per_micro_batch < tp.flops_per_micro_batch
     assert tp.flops_per_micro_batch < 0.6 * base.flops_per_micro_batch
     assert tp.activations < base.activations
-    est = Estimator(spec)
+    est = Estimator(spec, pipeline_layout=GPT_LAYOUT)  # the demo passes its layout
     for schedule in ("gpipe", "1f1b"):
         s = settings_from_config(None, 2, pp=2, pp_schedule=schedule, grad_accum=4, **kw)
         profiles = est.rank_profiles(s, 2)
@@ -103,16 +103,18 @@ def test_activations_and_flops_are_per_rank():
             gpipe = [p.peak_bytes for p in profiles]
     one_f1b = [p.peak_bytes for p in profiles]
     assert one_f1b[0] < gpipe[0] and one_f1b[1] < gpipe[1]  # 2 and 1 in flight, not 4
-    assert "pp 2 (1f1b" in str(estimate(tiny_gpt, cluster=cluster, pp=2, **kw))
+    assert "pp 2 (1f1b" in str(estimate(tiny_gpt, cluster=cluster, pp=2,
+                                                     pipeline_layout=GPT_LAYOUT, **kw))
 
 
 def test_mesh_bad_input():
     cluster = Cluster(nodes=1, gpus_per_node=4)
-    with pytest.raises(ValueError, match="not divisible by tensor parallel 3"):
+    with pytest.raises(ValueError,
+                       match=r"tensor_parallel.size \(3\) .* does not divide the world size 4"):
         estimate(tiny_gpt, cluster=cluster, tp=3, tp_plan="gpt")
-    with pytest.raises(ValueError, match="needs a plan"):
+    with pytest.raises(ValueError, match="needs tensor_parallel.plan"):
         estimate(tiny_gpt, cluster=cluster, tp=2)
-    with pytest.raises(ValueError, match="ZeRO stage 3"):
+    with pytest.raises(ValueError, match="with zero_optimization.stage 3"):
         estimate(tiny_gpt, cluster=cluster, pp=2, stage=3)
     with pytest.raises(ValueError, match="n_head"):  # 2 heads over 4 tp ranks
         estimate(tiny_gpt, cluster=cluster, tp=4, tp_plan="gpt")
@@ -120,6 +122,7 @@ def test_mesh_bad_input():
 
 def test_cli_tp_pp(capsys):
     assert main(["estimate", "tests.test_estimate:tiny_gpt", "--gpus-per-node", "4", "--tp", "2",
-                 "--tp-plan", "gpt", "--pp", "2", "--stage", "1", "--micro-batch", "2"]) == 0
+                 "--tp-plan", "gpt", "--pp", "2", "--stage", "1", "--micro-batch", "2",
+                 "--pipeline-layout", "meshzero.demo.layout:GPT_LAYOUT"]) == 0
     out = capsys.readouterr().out
     assert "tp 2 (plan gpt), pp 2 (1f1b" in out and "mesh: tp 2 x pp 2 x dp 1" in out

@@ -13,7 +13,8 @@ from torch import nn
 
 import meshzero
 from meshzero.demo.gpt import loss_fn as gpt_loss
-from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT, gather_pipeline_state_dict
+from meshzero.demo.layout import GPT_LAYOUT
+from meshzero.parallel.pipeline import gather_pipeline_state_dict
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, zero_config
 from tests.models import make_batches, mlp_loss, reference_train, split_for_rank
@@ -34,7 +35,7 @@ ATOL = 1e-5
 CASES = {
     "mlp": (_mlp_chain, mlp_loss, lambda: make_batches("mlp", STEPS, GLOBAL_BATCH), None,
             {"*.fc1": "colwise", "*.fc2": "rowwise"}),
-    "gpt": (_gpt, gpt_loss, _gpt_batches, DEMO_GPT_LAYOUT, "gpt"),
+    "gpt": (_gpt, gpt_loss, _gpt_batches, GPT_LAYOUT, "gpt"),
 }
 
 

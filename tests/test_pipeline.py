@@ -13,8 +13,8 @@ from torch import nn
 
 from meshzero.demo.gpt import GPT, GPTConfig
 from meshzero.demo.gpt import loss_fn as gpt_loss
+from meshzero.demo.layout import GPT_LAYOUT
 from meshzero.parallel.pipeline import (
-    DEMO_GPT_LAYOUT,
     PipelineLayout,
     build_pipeline,
     gather_pipeline_state_dict,
@@ -54,7 +54,7 @@ def _gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 # kind -> (model factory, layout, loss, batches)
 CASES = {
     "mlp": (_mlp_chain, None, mlp_loss, lambda: make_batches("mlp", STEPS, GLOBAL_BATCH)),
-    "gpt": (_gpt, DEMO_GPT_LAYOUT, gpt_loss, _gpt_batches),
+    "gpt": (_gpt, GPT_LAYOUT, gpt_loss, _gpt_batches),
 }
 
 

@@ -1,4 +1,5 @@
-"""meshzero.plan: every configuration it lists fits and is ranked by the stated time model."""
+"""meshzero.estimate.plan: every configuration it lists fits and is ranked by the stated
+time model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from meshzero.cli import main
 from meshzero.config import load_config
+from meshzero.demo.layout import GPT_LAYOUT
 from meshzero.estimate import Cluster, estimate
-from meshzero.plan import Assumptions, communication_bytes, plan
+from meshzero.estimate.plan import Assumptions, communication_bytes, plan
 from tests.test_estimate import tiny_gpt
 
 SMALL = Cluster(nodes=1, gpus_per_node=4, gpu_memory="3MB", host_memory="1GB")
@@ -123,7 +125,7 @@ def test_tp_pp_plan():
     carries the mesh and estimates the same."""
     cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory="2MB")
     result = plan(tiny_gpt, cluster=cluster, global_batch=8, tp=2, tp_plan="gpt", pp=2,
-                  precision="bf16")
+                  precision="bf16", pipeline_layout=GPT_LAYOUT)
     stages = {c.estimate.settings.stage for c in result.candidates}
     assert stages == {0, 1, 2}
     best = result.best
@@ -132,9 +134,10 @@ def test_tp_pp_plan():
     cfg = best.ds_config()
     assert cfg["tensor_parallel"] == {"size": 2, "plan": "gpt"}
     assert cfg["pipeline_parallel"]["micro_batches"] == s.grad_accum
-    again = estimate(tiny_gpt, cluster=cluster, config=cfg)
+    again = estimate(tiny_gpt, cluster=cluster, config=cfg, pipeline_layout=GPT_LAYOUT)
     assert again.model_states == best.estimate.model_states
-    no_tp = plan(tiny_gpt, cluster=cluster, global_batch=8, pp=2, tp=1, precision="bf16")
+    no_tp = plan(tiny_gpt, cluster=cluster, global_batch=8, pp=2, tp=1, precision="bf16",
+                 pipeline_layout=GPT_LAYOUT)
     assert best.compute_s > min(c.compute_s for c in no_tp.candidates) / 2  # tp all-reduces
 
 
@@ -143,7 +146,8 @@ def test_search_mesh():
     """--search-mesh tries tp inside a node and pp over the layers (powers of two), with the
     demo GPT's shipped plan and layout; every row it lists is a plan of its own mesh."""
     cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory="2MB")
-    result = plan(tiny_gpt, cluster=cluster, global_batch=8, precision="bf16", search_mesh=True)
+    result = plan(tiny_gpt, cluster=cluster, global_batch=8, precision="bf16", search_mesh=True,
+                  pipeline_layout=GPT_LAYOUT)
     assert result.notes[0] == "meshes tried (tp x pp): 1x1, 1x2, 2x1, 2x2"
     meshes = {(c.estimate.settings.tp, c.estimate.settings.pp) for c in result.candidates}
     assert meshes == {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -155,7 +159,7 @@ def test_search_mesh():
         assert s.tp_plan == ("gpt" if s.tp > 1 else None)
     # the same mesh planned on its own gives the same rows
     fixed = plan(tiny_gpt, cluster=cluster, global_batch=8, precision="bf16", tp=2,
-                 tp_plan="gpt", pp=2)
+                 tp_plan="gpt", pp=2, pipeline_layout=GPT_LAYOUT)
     mine = [c for c in result.candidates if (c.estimate.settings.tp, c.estimate.settings.pp)
             == (2, 2)]
     assert [c.row(0) for c in mine] == [c.row(0) for c in fixed.candidates]
@@ -210,7 +214,8 @@ def test_inferred_tp_plan():
 def test_search_mesh_cli(capsys):
     assert main(["plan", "tests.test_estimate:tiny_gpt", "--nodes", "2", "--gpus-per-node",
                  "2", "--gpu-memory", "2MB", "--global-batch", "8", "--precision", "bf16",
-                 "--search-mesh", "--top", "0"]) == 0
+                 "--search-mesh", "--top", "0",
+                 "--pipeline-layout", "meshzero.demo.layout:GPT_LAYOUT"]) == 0
     text = capsys.readouterr().out
     assert "note: meshes tried (tp x pp): 1x1, 1x2, 2x1, 2x2" in text
     rows = [line.split() for line in text.splitlines() if re.match(r"\s*\d+\s+[12]\s+[12]\s", line)]

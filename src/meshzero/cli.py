@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from meshzero import envreport
-from meshzero import plan as plan_command
 from meshzero.demo import run as demo
 from meshzero.estimate import command as estimate_command
+from meshzero.estimate import plan as plan_command
 
 
 def _add_consolidate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshzero.config.batch import data_parallel_size
+
 logger = logging.getLogger(__name__)
 
 AXES = ("pp", "dp", "tp")
@@ -148,12 +150,7 @@ def build_topology(tp_size: int = 1, pp_size: int = 1,
                    ranks_per_node: int | None = None) -> Topology:
     """Build the mesh over the initialised world. ``dp = world / (tp * pp)``."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (tp_size * pp_size) != 0:
-        raise ValueError(
-            f"tensor_parallel.size ({tp_size}) x pipeline_parallel.size ({pp_size}) = "
-            f"{tp_size * pp_size} does not divide the world size {world}; valid: sizes whose "
-            f"product divides {world}"
-        )
+    data_parallel_size(world, tp_size, pp_size)  # the config's check, shared with the estimator
     if ranks_per_node is None:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % ranks_per_node != 0 and ranks_per_node < world:

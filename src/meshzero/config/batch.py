@@ -1,5 +1,6 @@
 """The batch rule train_batch_size = micro batch * accumulation steps * data-parallel size,
-checked once for every caller (the config's own check, the engine and the estimator)."""
+and the mesh's data-parallel size: checked once for every caller (the config's own check,
+the engine, the topology and the estimator)."""
 
 from meshzero.config.errors import ConfigError
 
@@ -62,3 +63,25 @@ def _divide(tbs: int, known: int, dp_size: int, known_key: str, missing_key: str
             f"{tbs / (known * dp_size):g}"
         )
     return tbs // (known * dp_size)
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """dp = world / (tp * pp): the ranks ZeRO shards over, given the mesh's tp and pp sizes."""
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"tensor_parallel.size ({tp}) x pipeline_parallel.size ({pp}) = "
+            f"{tp * pp} does not divide the world size {world_size}; valid: sizes whose "
+            f"product divides {world_size}"
+        )
+    return world_size // (tp * pp)
+
+
+def check_pipeline_batches(micro_batches: int | None, global_batch: int, micro: int, gas: int,
+                           dp_size: int) -> None:
+    """With pipelining the micro-batches of one step are its accumulation steps."""
+    if micro_batches is not None and micro_batches != gas:
+        raise ConfigError(
+            f"pipeline_parallel.micro_batches ({micro_batches}) != the gradient "
+            f"accumulation steps ({gas}, from train_batch_size {global_batch} / micro batch "
+            f"{micro} / dp {dp_size}): the micro-batches of one pipeline step are its "
+            "accumulation steps")

@@ -7,7 +7,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshzero.config.batch import batch_problems, resolve_batch
+from meshzero.config.batch import (
+    batch_problems,
+    check_pipeline_batches,
+    data_parallel_size,
+    resolve_batch,
+)
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
 from meshzero.config.precision import BF16Config, FP16Config
@@ -53,9 +58,18 @@ class Config(BaseModel):
 
     def resolve_batch(self, dp_size: int) -> tuple[int, int, int]:
         """(train_batch_size, micro batch per rank, gradient accumulation steps) for `dp_size`
-        ranks, under train_batch_size == micro * accumulation * dp_size."""
-        return resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                             self.gradient_accumulation_steps, dp_size)
+        ranks, under train_batch_size == micro * accumulation * dp_size; with pipelining the
+        accumulation steps must equal pipeline_parallel.micro_batches."""
+        batch = resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                              self.gradient_accumulation_steps, dp_size)
+        if self.pipeline_parallel.size > 1:
+            check_pipeline_batches(self.pipeline_parallel.micro_batches, *batch, dp_size)
+        return batch
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel (ZeRO) ranks of `world_size`: world / (tp * pp)."""
+        return data_parallel_size(world_size, self.tensor_parallel.size,
+                                  self.pipeline_parallel.size)
 
     @property
     def compute_dtype(self) -> torch.dtype:

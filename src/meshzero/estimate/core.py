@@ -78,6 +78,7 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["settings"] = self.settings.to_dict()
         out.update(gpu_bytes=self.gpu_bytes, host_bytes_per_node=self.host_bytes_per_node,
                    nvme_bytes_per_node=self.nvme_bytes_per_node, fits=self.fits,
                    world_size=self.cluster.world_size)
@@ -209,7 +210,7 @@ class Estimator:
     def estimate(self, settings: Settings, cluster: Cluster, *,
                  search_micro_batch: bool = True) -> Estimate:
         if settings.seq_len is None and self.spec.default_seq_len is not None:
-            settings = dataclasses.replace(settings, seq_len=self.spec.default_seq_len)
+            settings = settings.replace(seq_len=self.spec.default_seq_len)
         pp_rank, states = self.largest(settings, cluster.world_size)
         dp_rank, report = states.largest_rank()
         dp = states.world_size

@@ -68,25 +68,34 @@ def fake_tp_group(tp: int) -> Iterator[dist.ProcessGroup | None]:
         raise ValueError("estimating tensor parallelism builds the tp-local model over a fake "
                          "process group, which needs a process without one: run the estimate "
                          "outside torch.distributed (e.g. the meshzero estimate command)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    _register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp)
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
 
 
+def _register_fake_backend() -> None:
+    """torch implements the "fake" process group (every collective a no-op) in C++ but
+    registers its Python constructor only from a private testing module; register it here
+    (registering again replaces the entry, so this is safe to repeat)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common_opts, backend_opts):  # the extended_api signature
+        return FakeProcessGroup._create_internal(common_opts.group_rank,
+                                                 common_opts.group_size, backend_opts)
+
+    dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
+
+
 def pipeline_layout_of(spec: ModelSpec, s: Settings, given=None):
     """The layout the engine would get: ``given`` (initialize's pipeline_layout), else the
-    config's layers/first/last, else the demo GPT's for meshzero.demo.gpt.GPT."""
-    from meshzero.demo.gpt import GPT
-    from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT, PipelineLayout
+    config's layers/first/last."""
+    from meshzero.parallel.pipeline import PipelineLayout
 
     if given is not None:
         return given
-    if not (s.pp_layers or s.pp_first or s.pp_last) and isinstance(spec.model, GPT):
-        return DEMO_GPT_LAYOUT
     return PipelineLayout(layers=s.pp_layers, first=s.pp_first, last=s.pp_last)
 
 
@@ -143,7 +152,7 @@ def _cut(model: nn.Module, s: Settings, layout) -> tuple[list[nn.Module], list[i
 
 def in_flight(s: Settings, stage: int, num_stages: int) -> int:
     """Micro-batches whose activations stage ``stage`` holds at once (module docstring)."""
-    m = s.micro_batches
+    m = s.grad_accum
     if s.pp_schedule == "1f1b":
         return min(m, num_stages - stage)
     return m
@@ -240,5 +249,5 @@ def mesh_note(s: Settings, dp: int, pp_rank: int, dp_rank: int) -> str:
         flight = ("min(micro-batches, stages - stage)" if s.pp_schedule == "1f1b"
                   else "all micro-batches")
         text += (f"; activations assume {flight} in flight per stage ({s.pp_schedule}, "
-                 f"{s.micro_batches} micro-batches)")
+                 f"{s.grad_accum} micro-batches)")
     return text

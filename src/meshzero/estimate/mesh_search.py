@@ -4,13 +4,12 @@ Following the engine's rank order (tp innermost, then dp, pp outermost), tp stay
 node: powers of two that divide ``gpus_per_node``; pp takes powers of two that divide what is
 left of the world and are at most the number of pipeline layers. tp needs a plan (the
 settings', else the shipped plan whose patterns all match the model) and pp a pipeline layout
-(the given one, the config's, or the demo GPT's); a dimension without one is not searched, and
+(the given one, else the config's); a dimension without one is not searched, and
 the plan's notes say so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -71,6 +70,6 @@ def mesh_settings(spec: ModelSpec, base: Settings, cluster: Cluster, layout=None
         pps = [1] if layers is None else _powers_of_two_dividing(cluster.world_size // tp,
                                                                  layers)
         for pp in pps:
-            out.append(dataclasses.replace(base, tp=tp, pp=pp,
-                                           tp_plan=plan if tp > 1 else base.tp_plan))
+            out.append(base.replace(tp=tp, pp=pp,
+                                    tp_plan=plan if tp > 1 else base.tp_plan))
     return out, notes

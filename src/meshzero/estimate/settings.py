@@ -1,23 +1,33 @@
 """What an estimate is asked about: the cluster, and the training settings that decide memory.
 
-Settings come from a ds_config (validated by :func:`meshzero.config.load_config`) and/or flags;
-a flag given explicitly overrides the config. Everything here is plain data with checks that
-raise ``ValueError`` naming the bad value.
+The settings are a read-only view of a validated :class:`~meshzero.config.Config`: every
+default and every rule is the config's. Flags (``stage=2``, ``--offload-optimizer cpu``) are
+overrides of config keys validated again by the same :func:`meshzero.config.load_config`
+(estimate/overrides.py), so an estimate refuses exactly what ``initialize`` refuses, with the
+same message. The batch is held per rank: micro batch and accumulation steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from meshzero.checkpoint.model_files import parse_size
 from meshzero.config import Config, load_config
+from meshzero.config.offload import OffloadDevice
+from meshzero.estimate.overrides import (
+    CONFIG_KEYS,
+    OWN_KEYS,
+    PRECISIONS,
+    check_names,
+    with_batch,
+    with_keys,
+)
 
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+OFFLOAD_DEVICES: tuple[str, ...] = get_args(OffloadDevice)
 TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
+ASSUMED_OPTIMIZER = "AdamW"  # no optimizer block: the client's optimizer, assumed AdamW
 
 
 @dataclass(frozen=True)
@@ -48,93 +58,167 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Settings:
-    """The training settings that decide memory and time, with DeepSpeed's defaults."""
+    """A validated config seen as the numbers an estimate needs. Build it with
+    :func:`settings_from_config`; ``config`` holds its batch per rank (no train_batch_size)."""
 
-    stage: int = 0
-    precision: str = "fp32"  # compute dtype: fp32, bf16 or fp16 (the master is always fp32)
-    optimizer: str = "AdamW"  # Adam, AdamW or SGD
-    amsgrad: bool = False
-    momentum: float = 0.0  # SGD
-    optimizer_assumed: bool = False  # no optimizer block: AdamW assumed
-    micro_batch: int = 1
-    grad_accum: int = 1
+    config: Config = field(default_factory=Config, hash=False)
     seq_len: int | None = None
     activation_checkpointing: bool = False
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
-    optimizer_buffer_count: int = 4
-    param_buffer_count: int = 5
-    sub_group_size: int = 1_000_000_000
-    communication_dtype: str | None = None
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    prefetch_bucket_size: int = 50_000_000
-    persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    unit_classes: tuple[str, ...] | None = field(default=None)
-    # the mesh (dp = world / (tp * pp)); see estimate/mesh.py
-    tp: int = 1
-    tp_plan: Any = field(default=None, hash=False)  # a shipped plan's name or {pattern: style}
-    sequence_parallel: bool = False
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_micro_batches: int | None = None  # None: grad_accum (the engine requires them equal)
-    pp_layers: str = ""
-    pp_first: tuple[str, ...] = ()
-    pp_last: tuple[str, ...] = ()
-    pp_stages_per_rank: int | None = None
-    pp_boundaries: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        problems = self._mesh_problems()
-        if self.stage not in (0, 1, 2, 3):
-            problems.append(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        for name in ("micro_batch", "grad_accum"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            problems.append(f"seq_len must be a positive integer, got {self.seq_len!r}")
-        for name in ("offload_optimizer", "offload_param"):
-            if getattr(self, name) not in OFFLOAD_DEVICES:
-                problems.append(f"{name} must be one of {list(OFFLOAD_DEVICES)}, "
-                                f"got {getattr(self, name)!r}")
-        if self.offload_optimizer != "none" and self.stage == 0:
-            problems.append(f"offload_optimizer {self.offload_optimizer!r} needs stage 1, 2 or 3 "
-                            "(stage is 0)")
-        if self.offload_param != "none" and self.stage != 3:
-            problems.append(f"offload_param {self.offload_param!r} needs stage 3 "
-                            f"(stage is {self.stage})")
-        if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
-            problems.append("offload_param 'nvme' needs offload_optimizer 'nvme' (it is "
-                            f"{self.offload_optimizer!r})")
-        if problems:
-            raise ValueError("; ".join(problems))
+        if self.config.train_batch_size is not None:
+            raise ValueError("Settings needs the batch per rank (micro batch and accumulation "
+                             "steps, no train_batch_size): build it with settings_from_config")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(
+                self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"seq_len must be a positive integer, got {self.seq_len!r}")
 
-    def _mesh_problems(self) -> list[str]:
-        problems = []
-        for name in ("tp", "pp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
-        if self.tp != 1 and self.tp_plan is None:
-            problems.append(f"tensor parallel size {self.tp} needs a plan (tensor_parallel.plan "
-                            "or --tp-plan: gpt, hf_gpt2, llama or a {pattern: style} mapping)")
-        if self.pp != 1:
-            from meshzero.parallel.pipeline import SCHEDULES
+    def replace(self, **overrides: Any) -> Settings:
+        """These settings with ``overrides`` (names as :func:`settings_from_config`)."""
+        check_names(overrides)
+        own = {k: overrides.get(k) for k in OWN_KEYS}
+        own = {k: getattr(self, k) if v is None else v for k, v in own.items()}
+        config = with_keys(self.config, overrides)
+        # the batch is per rank already, so any data-parallel size resolves it the same way
+        return Settings(with_batch(config, 1, overrides), **own)
 
-            if self.pp_schedule not in SCHEDULES:
-                problems.append(f"unknown pipeline schedule {self.pp_schedule!r}; valid: "
-                                f"{', '.join(SCHEDULES)}")
-            if self.stage == 3:
-                problems.append(f"pipeline parallel size {self.pp} with ZeRO stage 3: the "
-                                "engine supports stages 0-2 with a pipeline")
-            if self.sequence_parallel:
-                problems.append("sequence_parallel with pipeline parallelism is not supported "
-                                "by the engine")
-        return problems
+    # -- the config, by the estimator's names -------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    @property
+    def precision(self) -> str:
+        """The compute dtype: fp32, bf16 or fp16 (the master is always fp32)."""
+        fp16, bf16 = self.config.fp16.enabled, self.config.bf16.enabled
+        return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+    @property
+    def optimizer(self) -> str:
+        """Adam (either mode), AdamW or SGD."""
+        opt = self.config.optimizer
+        return ASSUMED_OPTIMIZER if opt is None else opt.type
+
+    @property
+    def optimizer_assumed(self) -> bool:
+        return self.config.optimizer is None
+
+    @property
+    def _optimizer_params(self) -> dict[str, Any]:
+        opt = self.config.optimizer
+        return {} if opt is None else opt.params  # complete: the config filled the defaults
+
+    @property
+    def amsgrad(self) -> bool:
+        return bool(self._optimizer_params.get("amsgrad", False))
+
+    @property
+    def momentum(self) -> float:
+        return float(self._optimizer_params.get("momentum", 0.0))
+
+    @property
+    def micro_batch(self) -> int:
+        return self.config.resolve_batch(1)[1]
+
+    @property
+    def grad_accum(self) -> int:
+        """Accumulation steps: with a pipeline, also the micro-batches of one step."""
+        return self.config.resolve_batch(1)[2]
+
+    @property
+    def offload_optimizer(self) -> str:
+        return self.config.zero_optimization.offload_optimizer.device
+
+    @property
+    def offload_param(self) -> str:
+        return self.config.zero_optimization.offload_param.device
+
+    @property
+    def optimizer_buffer_count(self) -> int:
+        return self.config.zero_optimization.offload_optimizer.buffer_count
+
+    @property
+    def param_buffer_count(self) -> int:
+        return self.config.zero_optimization.offload_param.buffer_count
+
+    @property
+    def sub_group_size(self) -> int:
+        return self.config.zero_optimization.sub_group_size
+
+    @property
+    def communication_dtype(self) -> str | None:
+        return self.config.communication_data_type
+
+    @property
+    def reduce_bucket_size(self) -> int:
+        return self.config.zero_optimization.reduce_bucket_size
+
+    @property
+    def allgather_bucket_size(self) -> int:
+        return self.config.zero_optimization.allgather_bucket_size
+
+    @property
+    def prefetch_bucket_size(self) -> int:
+        return self.config.zero_optimization.stage3_prefetch_bucket_size
+
+    @property
+    def persistence_threshold(self) -> int:
+        return self.config.zero_optimization.stage3_param_persistence_threshold
+
+    @property
+    def max_live_parameters(self) -> int:
+        return self.config.zero_optimization.stage3_max_live_parameters
+
+    @property
+    def max_reuse_distance(self) -> int:
+        return self.config.zero_optimization.stage3_max_reuse_distance
+
+    @property
+    def unit_classes(self) -> tuple[str, ...] | None:
+        classes = self.config.zero_optimization.unit_classes
+        return None if classes is None else tuple(classes)
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_parallel.size
+
+    @property
+    def tp_plan(self) -> str | dict[str, str] | None:
+        """A shipped plan's name or {pattern: style}."""
+        return self.config.tensor_parallel.plan
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.tensor_parallel.sequence_parallel
+
+    @property
+    def pp(self) -> int:
+        return self.config.pipeline_parallel.size
+
+    @property
+    def pp_schedule(self) -> str:
+        return self.config.pipeline_parallel.schedule
+
+    @property
+    def pp_layers(self) -> str:
+        return self.config.pipeline_parallel.layers
+
+    @property
+    def pp_first(self) -> tuple[str, ...]:
+        return tuple(self.config.pipeline_parallel.first)
+
+    @property
+    def pp_last(self) -> tuple[str, ...]:
+        return tuple(self.config.pipeline_parallel.last)
+
+    @property
+    def pp_stages_per_rank(self) -> int | None:
+        return self.config.pipeline_parallel.stages_per_rank
+
+    @property
+    def pp_boundaries(self) -> tuple[int, ...] | None:
+        bounds = self.config.pipeline_parallel.boundaries
+        return None if bounds is None else tuple(bounds)
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -170,17 +254,15 @@ class Settings:
     def model_parallel(self) -> int:
         return self.tp * self.pp
 
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches of one pipeline step (= the gradient accumulation steps)."""
-        return self.pp_micro_batches or self.grad_accum
-
     def dp_size(self, world_size: int) -> int:
         """Data-parallel (ZeRO) ranks of ``world_size``: world / (tp * pp)."""
-        if world_size % self.model_parallel:
-            raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
-                             f"{self.tp} x pipeline parallel {self.pp}")
-        return world_size // self.model_parallel
+        return self.config.dp_size(world_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings by the estimator's names (the "settings" of an estimate's JSON)."""
+        names = ("stage", "precision", "optimizer", "amsgrad", "momentum", "optimizer_assumed",
+                 "micro_batch", "grad_accum", *OWN_KEYS, *CONFIG_KEYS)
+        return {name: getattr(self, name) for name in dict.fromkeys(names)}
 
     def describe_mesh(self) -> str:
         parts = []
@@ -189,7 +271,7 @@ class Settings:
             parts.append(f"tp {self.tp} (plan {plan}"
                          + (", sequence parallel)" if self.sequence_parallel else ")"))
         if self.pp > 1:
-            parts.append(f"pp {self.pp} ({self.pp_schedule}, {self.micro_batches} micro-batches)")
+            parts.append(f"pp {self.pp} ({self.pp_schedule}, {self.grad_accum} micro-batches)")
         return ", ".join(parts)
 
     def describe(self) -> str:
@@ -206,63 +288,12 @@ class Settings:
 
 def settings_from_config(config: Config | dict[str, Any] | str | os.PathLike[str] | None,
                          world_size: int, **overrides: Any) -> Settings:
-    """Settings of a ds_config for ``world_size`` ranks; ``overrides`` (flags) win when not
-    None. With no config, DeepSpeed's defaults (stage 0, fp32, AdamW assumed)."""
-    cfg = load_config(config if config is not None else {})  # no config: the schema defaults
-    tp = overrides.get("tp") or cfg.tensor_parallel.size
-    pp = overrides.get("pp") or cfg.pipeline_parallel.size
-    if world_size % (tp * pp):
-        raise ValueError(f"the world size {world_size} is not divisible by tensor parallel "
-                         f"{tp} x pipeline parallel {pp}")
-    values = _from_config(cfg, world_size // (tp * pp))
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("pp", 1) > 1 and values.get("pp_micro_batches"):
-        m = values["pp_micro_batches"]
-        if values.get("grad_accum", m) != m:
-            raise ValueError(f"pipeline micro_batches ({m}) != the gradient accumulation steps "
-                             f"({values['grad_accum']}): the engine requires them equal")
-        values["grad_accum"] = m
-    for key in ("unit_classes", "pp_first", "pp_last", "pp_boundaries"):
-        if values.get(key) is not None:
-            values[key] = tuple(values[key])
-    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
-    if unknown:
-        raise ValueError(f"unknown estimate setting(s): {sorted(unknown)}")
-    return Settings(**values)
-
-
-def _from_config(cfg: Config, dp_size: int) -> dict[str, Any]:
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
-    zc = cfg.zero_optimization
-    values: dict[str, Any] = {
-        "stage": zc.stage,
-        "precision": "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32",
-        "communication_dtype": cfg.communication_data_type,
-        "reduce_bucket_size": zc.reduce_bucket_size,
-        "allgather_bucket_size": zc.allgather_bucket_size,
-        "prefetch_bucket_size": zc.stage3_prefetch_bucket_size,
-        "persistence_threshold": zc.stage3_param_persistence_threshold,
-        "max_live_parameters": zc.stage3_max_live_parameters,
-        "max_reuse_distance": zc.stage3_max_reuse_distance,
-        "unit_classes": zc.unit_classes,
-        "tp": tp.size, "tp_plan": tp.plan, "sequence_parallel": tp.sequence_parallel,
-        "pp": pp.size, "pp_schedule": pp.schedule, "pp_micro_batches": pp.micro_batches,
-        "pp_layers": pp.layers, "pp_first": tuple(pp.first), "pp_last": tuple(pp.last),
-        "pp_stages_per_rank": pp.stages_per_rank,
-        "pp_boundaries": tuple(pp.boundaries) if pp.boundaries is not None else None,
-    }
-    for key, prefix in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
-        section = getattr(zc, key)
-        values[key] = section.device
-        values[f"{prefix}_buffer_count"] = section.buffer_count
-    values["sub_group_size"] = zc.sub_group_size
-    if cfg.optimizer is None:
-        values["optimizer_assumed"] = True
-    else:
-        params = cfg.optimizer.validated_params()
-        values["optimizer"] = cfg.optimizer.type  # Adam (either mode), AdamW or SGD
-        values["amsgrad"] = bool(params.get("amsgrad", False))
-        values["momentum"] = float(params.get("momentum", 0.0))
-    if any(x is not None for x in (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu)):
-        _, values["micro_batch"], values["grad_accum"] = cfg.resolve_batch(dp_size)
-    return values
+    """Settings of a ds_config for ``world_size`` ranks; ``overrides`` (flags, by the names of
+    :class:`Settings`' properties, plus precision) win when not None. The config is refused
+    as ``initialize`` refuses it; with no config, the schema's defaults (stage 0, fp32, AdamW
+    assumed)."""
+    check_names(overrides)
+    cfg = load_config(config if config is not None else {})  # initialize's own checks
+    cfg = with_keys(cfg, overrides)
+    cfg = with_batch(cfg, cfg.dp_size(world_size), overrides)
+    return Settings(cfg, **{k: overrides[k] for k in OWN_KEYS if overrides.get(k) is not None})

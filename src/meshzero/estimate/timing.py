@@ -1,5 +1,5 @@
 """The planner's time model: bytes a rank sends per optimizer step and offload seconds
-(see meshzero.plan's docstring for the formulas and their assumptions)."""
+(see meshzero.estimate.plan's docstring for the formulas and their assumptions)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from meshzero.estimate.settings import Cluster, Settings
 
 if TYPE_CHECKING:
-    from meshzero.plan import Assumptions
+    from meshzero.estimate.plan import Assumptions
 
 
 def communication_bytes(layout, s: Settings) -> float:
@@ -85,8 +85,8 @@ def model_parallel_seconds(s: Settings, c: Cluster, a: Assumptions, model: nn.Mo
     if s.tp > 1:
         bw = a.intra_node_bw if s.tp <= c.gpus_per_node else a.inter_node_bw
         per_layer = 4 * act * 2 * (s.tp - 1) / s.tp
-        tp_s = s.micro_batches * num_layers / s.pp * per_layer / bw
+        tp_s = s.grad_accum * num_layers / s.pp * per_layer / bw
     if s.pp > 1:
         bw = a.inter_node_bw if c.nodes > 1 else a.intra_node_bw
-        pp_s = s.micro_batches * 2 * act / bw
+        pp_s = s.grad_accum * 2 * act / bw
     return tp_s, pp_s

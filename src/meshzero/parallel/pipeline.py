@@ -3,12 +3,13 @@
 
 Usage (every rank of the pp group runs the same code)::
 
-    from meshzero.parallel.pipeline import DEMO_GPT_LAYOUT, build_pipeline
+    from meshzero.demo.layout import GPT_LAYOUT
+    from meshzero.parallel.pipeline import build_pipeline
 
     pipe = build_pipeline(
         model,                          # the full model, on every rank (CPU, GPU or meta)
         pp_group=pp_group,              # the ranks of one pipeline, in stage order
-        layout=DEMO_GPT_LAYOUT,         # embeddings | blocks | ln_f + head
+        layout=GPT_LAYOUT,              # embeddings | blocks | ln_f + head
         schedule="1f1b",                # see SCHEDULES
         micro_batches=4,
         loss_fn=loss_fn,                # loss_fn(output, target) -> mean loss of a micro-batch
@@ -71,7 +72,6 @@ from torch.distributed.pipelining import (
 
 from meshzero.comm import OnComm, all_gather_objects, broadcast, exchange, gather_objects
 from meshzero.parallel.pipeline_split import (
-    DEMO_GPT_LAYOUT,
     PipelineLayout,
     StageModule,
     infer_stage_shapes,
@@ -81,7 +81,6 @@ from meshzero.parallel.pipeline_split import (
 )
 
 __all__ = [
-    "DEMO_GPT_LAYOUT",
     "SCHEDULES",
     "Pipeline",
     "PipelineLayout",

@@ -44,19 +44,6 @@ class PipelineLayout:
     last_fn: Callable[..., Any] | None = None
 
 
-def _gpt_embed(stage: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """(B, T) bytes -> (B, T, C): token + position embeddings of the demo GPT."""
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    return stage.tok_emb(idx) + stage.pos_emb(pos)
-
-
-# The demo GPT (meshzero.demo.gpt): embeddings on the first stage, ln_f + head on the last;
-# the head is tied to tok_emb, so both ends hold that tensor (see Pipeline's tied grads).
-DEMO_GPT_LAYOUT = PipelineLayout(
-    layers="blocks", first=("tok_emb", "pos_emb"), first_fn=_gpt_embed, last=("ln_f", "head")
-)
-
-
 def layer_list(model: nn.Module, layout: PipelineLayout) -> list[tuple[str, nn.Module]]:
     """The (dotted name, module) of every layer the layout names, in order."""
     try:

@@ -41,7 +41,7 @@ from typing import Any
 from torch import nn
 
 from meshzero.checkpoint.model_files import parse_size
-from meshzero.config import Config, load_config
+from meshzero.config import Config, ConfigError, load_config
 from meshzero.estimate.command import (
     add_cluster_args,
     add_model_args,
@@ -246,7 +246,7 @@ class Planner:
             options = [1 << k for k in range(MAX_MICRO_BATCH_LOG2 + 1)]
         if not self.estimator.spec.runnable and self.estimator.activations_per_sample is None:
             return [b for b in options if b == self.base.micro_batch] or options[:1]
-        settings = dataclasses.replace(self.base, activation_checkpointing=checkpointing)
+        settings = self.base.replace(activation_checkpointing=checkpointing)
         out = []
         for b in options:
             if (self.estimator.activation_bytes(settings, b) or 0) > room:
@@ -262,9 +262,12 @@ class Planner:
                 if stage == 3 and self.base.pp > 1:  # the engine's pipeline takes stages 0-2
                     continue
                 for opt, par in offloads:
-                    settings = dataclasses.replace(self.base, stage=stage, offload_optimizer=opt,
-                                                   offload_param=par, micro_batch=1,
-                                                   grad_accum=1, activation_checkpointing=ckpt)
+                    try:
+                        settings = self.base.replace(
+                            stage=stage, offload_optimizer=opt, offload_param=par,
+                            micro_batch=1, grad_accum=1, activation_checkpointing=ckpt)
+                    except ConfigError:  # a combination initialize refuses is no candidate
+                        continue
                     first = self.estimator.estimate(settings, self.cluster,
                                                     search_micro_batch=False)
                     if smallest is None or _pressure(first) < _pressure(smallest):
@@ -281,8 +284,7 @@ class Planner:
                 gas = (self.global_batch // (b * self.base.dp_size(self.cluster.world_size))
                        if self.global_batch else 1)
                 est = self.estimator.estimate(
-                    dataclasses.replace(first.settings, micro_batch=b, grad_accum=gas,
-                                        pp_micro_batches=None),
+                    first.settings.replace(micro_batch=b, grad_accum=gas),
                     self.cluster, search_micro_batch=False)
                 if est.fits:
                     fits.append(self.timed(est))
@@ -382,7 +384,7 @@ def _plan(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: A
         seq = estimator.spec.default_seq_len
         if seq is None and not estimator.spec.runnable:
             raise ValueError("a plan needs the tokens per sample for its FLOPs: give --seq-len")
-        base = dataclasses.replace(base, seq_len=seq)
+        base = base.replace(seq_len=seq)
     options = (False, True) if try_checkpointing else (base.activation_checkpointing,)
     if not search_mesh:
         return Planner(estimator, base, cluster, assumptions, global_batch).run(options)
