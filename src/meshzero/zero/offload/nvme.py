@@ -115,6 +115,7 @@ class NvmeTier(Tier):
     # -- wiring ------------------------------------------------------------------------------
     def attach(self, units: list[list[FlatGroup]], optim_state: ShardedOptimizerState) -> None:
         super().attach(units, optim_state)
+        assert optim_state.tiles is not None, "the optimizer space was planned by tile_planner"
         if optim_state.space_numel != self.space_numel:
             raise AssertionError(f"optimizer space {optim_state.space_numel} != layout "
                                  f"{self.space_numel}")

@@ -111,6 +111,9 @@ class Tier(ABC):
     """
 
     name: ClassVar[str]  # the memory_report tier of master, gradient shard and states
+    # set by attach / attach_optimizer, once the groups and the optimizer exist
+    optim_state: ShardedOptimizerState
+    optimizer: torch.optim.Optimizer
 
     def __init__(self, options: OffloadOptions, *, comm: Communicator, device: torch.device,
                  layout: Layout, stage: int, compute_dtype: torch.dtype,
@@ -123,8 +126,6 @@ class Tier(ABC):
         self.stage = stage
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.optim_state: ShardedOptimizerState | None = None
         self.units: list[list[FlatGroup]] = []
 
     # -- where things live (each tier says) ----------------------------------------------------
@@ -180,6 +181,7 @@ class Tier(ABC):
         """The reduced gradient ``out`` of ``group``'s owned range into its gradient shard;
         ``accumulate`` adds to what earlier micro-steps left."""
         grad = group.grad
+        assert grad is not None, "an in-memory tier keeps every gradient shard"
         if out.data_ptr() == grad.data_ptr():  # reduce-scattered in place
             return
         src = out if out.device == grad.device else out.to(grad.device)
