@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshzero.zero.offload.tier import HOST, Tier, host_copy, host_zeros
+from meshzero.zero.offload.tier import Tier, host_copy, host_zeros
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
@@ -85,13 +85,6 @@ class HostTier(Tier):
         self.stepper = UnitStepper()
         self._step_scale: float | None = None
         self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
-
-    @property
-    def optimizer_device(self) -> torch.device:
-        return HOST
-
-    def master_is_copy(self, compute_dtype: torch.dtype) -> bool:
-        return True
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         return host_copy(init, self.options.pin_memory)

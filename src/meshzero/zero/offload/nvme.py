@@ -17,7 +17,7 @@ import torch
 
 from meshzero.zero.offload.nvme_io import TilePlanner
 from meshzero.zero.offload.nvme_store import NvmeStore
-from meshzero.zero.offload.tier import HOST, Tier, placeholder
+from meshzero.zero.offload.tier import Tier, placeholder
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
@@ -91,13 +91,6 @@ class NvmeTier(Tier):
             check_nvme_path(f"zero_optimization.{key}.nvme_path", path, nbytes * local)
 
     # -- where things live ---------------------------------------------------------------------
-    @property
-    def optimizer_device(self) -> torch.device:
-        return HOST
-
-    def master_is_copy(self, compute_dtype: torch.dtype) -> bool:
-        return True
-
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         """The initial master goes straight to its file; the group keeps a placeholder."""
         self.store.write_master(self._offsets[(group.layout.unit, group.layout.index)], init)

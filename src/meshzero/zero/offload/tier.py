@@ -106,8 +106,10 @@ def _nbytes(t: torch.Tensor | None) -> int:
 class Tier(ABC):
     """Where the optimizer side of one rank lives and how it steps (module docstring).
 
-    The defaults here are the in-memory behaviour (master, gradient shard and states are
-    tensors the optimizer steps in place); a tier overrides what it keeps elsewhere.
+    Each tier makes the master and the gradient shard of a group. The defaults are what
+    tiers share: the optimizer runs on the host over a master of its own, gradient shards
+    and states are tensors stepped in place, nothing is stepped during backward; a tier
+    overrides what it does differently.
     """
 
     name: ClassVar[str]  # the memory_report tier of master, gradient shard and states
@@ -130,13 +132,14 @@ class Tier(ABC):
 
     # -- where things live (each tier says) ----------------------------------------------------
     @property
-    @abstractmethod
     def optimizer_device(self) -> torch.device:
-        """Where the optimizer (its leaves and states) runs."""
+        """Where the optimizer (its leaves and states) runs: the host, for an offload tier."""
+        return HOST
 
-    @abstractmethod
     def master_is_copy(self, compute_dtype: torch.dtype) -> bool:
-        """Whether the fp32 master is its own buffer rather than the compute parameters."""
+        """Whether the fp32 master is its own buffer rather than the compute parameters
+        (always, for an offload tier)."""
+        return True
 
     @abstractmethod
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
