@@ -95,10 +95,6 @@ def placeholder(numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = 
     return t.view(shape) if shape is not None else t
 
 
-def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
