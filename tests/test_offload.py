@@ -151,3 +151,19 @@ def test_host_tier_report_and_files_removed(tmp_path):
     assert rep["optimizer_states"]["host"] == 8 * psi + 4 * 8  # m, v and 8 step counters
     _report(_mlp(64), tmp_path, **offload("nvme", "nvme", str(tmp_path)))
     assert list(tmp_path.iterdir()) == []  # engine.close() removed the rank's directory
+
+
+@pytest.mark.parametrize(("opt", "tier"), [("none", "device"), ("cpu", "host"),
+                                           ("nvme", "nvme")])
+def test_one_tier_chosen_from_the_config(tmp_path, opt, tier):
+    cfg = zero_config(3, global_batch=2, **{"zero_optimization": offload(opt, "none",
+                                                                          str(tmp_path))})
+    engine, optimizer, *_ = meshzero.initialize(model=_mlp(16), config=cfg)
+    chosen = engine.zero.tier
+    assert chosen.name == tier
+    assert all(g.tier is chosen for g in engine.zero.groups)  # one object decides for all
+    leaves = [p for group in optimizer.param_groups for p in group["params"]]
+    assert leaves and all(p.device == chosen.optimizer_device for p in leaves)
+    masters = [g.master_is_copy for g in engine.zero.groups if g.trainable]
+    assert masters == [tier != "device"] * len(masters)  # fp32: no copy on the device
+    engine.close()

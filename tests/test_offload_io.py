@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import meshzero
 from meshzero import log as meshzero_log
-from meshzero.zero import offload as offload_mod
-from meshzero.zero.nvme import NvmeIOError
+from meshzero.zero.offload import NvmeIOError, OffloadOptions
+from meshzero.zero.offload import nvme as nvme_tier
+from meshzero.zero.offload import tier as tier_mod
 from tests.distributed import REPO_ROOT, run_distributed
 from tests.engine_runs import zero_config
 from tests.models import build_model, make_batches, split_for_rank
@@ -49,10 +50,10 @@ def test_bad_nvme_path_fails_before_work(tmp_path, monkeypatch, case):
             # root ignores permission bits: simulate the failing write of a read-only mount
             def refuse(path):
                 raise PermissionError(13, "Permission denied", path)
-            monkeypatch.setattr(offload_mod, "probe_write", refuse)
+            monkeypatch.setattr(nvme_tier, "probe_write", refuse)
             want = "is not writable: Permission denied"
         else:
-            monkeypatch.setattr(offload_mod, "disk_free", lambda path: 1000)
+            monkeypatch.setattr(nvme_tier, "disk_free", lambda path: 1000)
             want = "has 1,000 bytes free but the NVMe offload of the ranks on this node needs"
     with pytest.raises(ValueError, match=want) as info:
         _init(_nvme(target))
@@ -94,7 +95,7 @@ def _fault_run(rank: int, world_size: int, path: str, fault: str) -> dict:
         engine.step()
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     _micro(engine, batches[2], rank, world_size)
-    store = engine.zero.nvme
+    store = engine.zero.tier.store
     if rank == 1:
         if fault == "missing":
             os.remove(store.file("master", store.gen).path)
@@ -234,14 +235,14 @@ def test_pin_memory_without_cuda_warns_once(monkeypatch):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger(offload_mod.__name__)
+    logger = logging.getLogger(tier_mod.__name__)
     logger.addHandler(handler)
     monkeypatch.setattr(meshzero_log, "_WARNED", set())  # warn_once: once per process
     try:
         cfg = zero_config(3, global_batch=2)["zero_optimization"]
         cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         for _ in range(2):
-            options = offload_mod.OffloadOptions.from_config(meshzero.load_config(
+            options = OffloadOptions.from_config(meshzero.load_config(
                 {"zero_optimization": cfg}).zero_optimization)
             assert options.pin_memory is False
     finally:

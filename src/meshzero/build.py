@@ -41,7 +41,7 @@ from meshzero.precision import LossScaler
 from meshzero.schedulers import build_scheduler
 from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.materialize import prepare_model
-from meshzero.zero.offload import HOST, OffloadOptions
+from meshzero.zero.offload import OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     # 6. the optimizer steps on ZeRO's master fragments, so it comes after ZeRO
     opt = build_optimizer(
         model=model, fragments=zero.optim_state.fragments,
-        device=HOST if zero.offload.optimizer != "none" else topology.device,
+        device=zero.optimizer_device,
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
     zero.attach_optimizer(opt)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,

@@ -81,7 +81,7 @@ class Engine(nn.Module):
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.counters = StepCounters()
-        # host-tier offload: step each unit during backward when nothing global is needed
+        # let the ZeRO tier step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
         self._window_open = False
@@ -191,8 +191,8 @@ class Engine(nn.Module):
         if self._profiler is not None:
             self._profiler.counter.set_phase("backward")
         step_scale = None
-        if (self.overlap_offload_step and self.zero.offload.optimizer == "cpu"
-                and self.config.gradient_clipping == 0 and not self.config.fp16.enabled):
+        if (self.overlap_offload_step and self.config.gradient_clipping == 0
+                and not self.config.fp16.enabled):
             step_scale = 1.0 / self.dp_comm.size  # nothing global to wait for: step per unit
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
@@ -214,12 +214,12 @@ class Engine(nn.Module):
             self._profiler.counter.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
-        if self.zero.finish_unit_steps():  # host tier: every unit was stepped in backward
+        if self.zero.finish_unit_steps():  # the tier stepped every unit in backward
             state.sync_params(copy=False)
             self._finish_step(overflow=False, t0=t0)
             return
         sq_norm, overflow = state.reduce_grad_stats(
-            need_norm=clip > 0, need_overflow=self.config.fp16.enabled, nvme=self.zero.nvme,
+            need_norm=clip > 0, need_overflow=self.config.fp16.enabled,
             model_parallel=self.model_parallel_comms, replicated_weight=self.norm_weights)
         if overflow:
             self.skipped_steps += 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from meshzero.estimate.settings import Settings
-from meshzero.zero.nvme import CUT, TilePlanner
+from meshzero.zero.offload.nvme_io import CUT, TilePlanner
 from meshzero.zero.state import CATEGORIES, TIERS
 from meshzero.zero.units import GroupLayout, Layout
 

@@ -10,20 +10,24 @@ Buffers of a group with padded size P = N*S and owned range [lo, hi):
     grad_full (P,)      gradient accumulation buffer; persistent at stages 0-1, transient
                         (one micro-step) at stages 2-3.
 
-With optimizer offload (zero/offload.py) master and grad are host buffers (cpu) or live in
-NVMe files (nvme: master's storage is freed, grad is None and reduced gradients go to
-``grad_sink``); with parameter offload the stage-3 shard is a host buffer (cpu) or a file.
+Where master, grad and the stage-3 shard live is the tier's decision (zero/offload/): on the
+device, in host buffers, or in files (then master's storage is empty, grad is None and the
+tier takes the reduced gradients).
 
 The owned range is the whole buffer at stage 0 and rank r's shard at stages 1-3.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from meshzero.zero.offload import OffloadOptions, host_copy, host_zeros, placeholder
 from meshzero.zero.units import GroupLayout
+
+if TYPE_CHECKING:
+    from meshzero.zero.offload import Tier
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -48,14 +52,10 @@ class FlatGroup:
         rank: int,
         compute_dtype: torch.dtype,
         device: torch.device,
-        offload: OffloadOptions | None = None,
-        master_sink=None,
+        tier: Tier,
     ):
-        """``master_sink(master)``: NVMe tier, takes the initial fp32 master of the owned
-        range, which then lives only in its file."""
-        offload = offload or OffloadOptions()
-        self.offload = offload
-        self._master_sink = master_sink
+        """``tier``: where the master, the gradient shard and the stage-3 shard live."""
+        self.tier = tier
         self.layout = layout
         self.params = params
         self.stage = stage
@@ -70,32 +70,18 @@ class FlatGroup:
                 init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         self.full = init if compute_dtype == torch.float32 else init.to(compute_dtype)
         lo, hi = layout.shard_range(rank)
-        if not self.sharded:
-            self.shard = self.full[lo:hi]
-        elif offload.param != "none":
-            self.shard = host_copy(self.full[lo:hi], offload.pin_memory)
-        else:
-            self.shard = self.full[lo:hi].clone()
+        self.shard = tier.param_shard(self.full[lo:hi]) if self.sharded else self.full[lo:hi]
         self.space_offset = 0  # where the owned range starts in the optimizer space
-        self.grad_sink = None  # NVMe: callable(group, reduced, accumulate)
-        self._master_copy = self.trainable and (compute_dtype != torch.float32
-                                                or offload.optimizer != "none")
+        self._master_copy = self.trainable and tier.master_is_copy(compute_dtype)
 
         self.master: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         if self.trainable:
-            self.master = self._make_master(init, compute_dtype)
-            if stage <= 1:
+            self.master = tier.master(self, init[self.owned[0]:self.owned[1]])
+            if stage <= 1:  # the accumulation buffer persists over micro-steps
                 self.grad_full = torch.zeros(layout.padded_numel, device=device)
-                self.grad = self.grad_full[self.owned[0]:self.owned[1]]
-            else:
-                self.grad = torch.zeros(hi - lo, device=device)
-            if offload.optimizer == "cpu":
-                self.grad = host_zeros(self.owned[1] - self.owned[0], torch.float32,
-                                       offload.pin_memory)
-            elif offload.optimizer == "nvme":
-                self.grad = None
+            self.grad = tier.grad_shard(self)
         del init
         self._bind_params()
         if self.sharded:
@@ -106,16 +92,10 @@ class FlatGroup:
         """Whether the fp32 master is its own buffer (mixed precision, offload) or the params."""
         return self._master_copy
 
-    def _make_master(self, init: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    def owned_params(self) -> torch.Tensor:
+        """The compute-dtype parameters of the owned range (the shard at stage 3)."""
         lo, hi = self.owned
-        if self.offload.optimizer == "nvme":
-            self._master_sink(init[lo:hi])
-            return placeholder(hi - lo, torch.float32)
-        if self.offload.optimizer != "none":
-            return host_copy(init[lo:hi], self.offload.pin_memory)
-        if compute_dtype == torch.float32:  # the compute params are the master: no copy
-            return self.shard if self.sharded else self.full[lo:hi]
-        return init[lo:hi].clone()
+        return self.shard if self.sharded else self.full[lo:hi]
 
     def _bind_params(self) -> None:
         """Point every parameter at its slice of ``full`` (tensors stay the same objects)."""
@@ -143,18 +123,9 @@ class FlatGroup:
         self.grad_target()[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
     def take_reduced_grad(self, out: torch.Tensor, accumulate: bool) -> None:
-        """The reduced gradient of the owned range: into ``grad`` (wherever it lives), or to
-        the NVMe sink. ``accumulate`` adds to what earlier micro-steps left."""
-        if self.grad_sink is not None:
-            self.grad_sink(self, out, accumulate)
-            return
-        if out.data_ptr() == self.grad.data_ptr():  # reduce-scattered in place
-            return
-        src = out if out.device == self.grad.device else out.to(self.grad.device)
-        if accumulate:
-            self.grad.add_(src)
-        else:
-            self.grad.copy_(src)
+        """The reduced gradient of the owned range, to wherever the tier keeps it.
+        ``accumulate`` adds to what earlier micro-steps left."""
+        self.tier.store_grad(self, out, accumulate)
 
     def drop_transient_grad(self) -> None:
         if self.stage >= 2:
@@ -170,9 +141,8 @@ class FlatGroup:
     def copy_master_to_params(self) -> None:
         """Write the updated fp32 master into the compute-dtype parameters of the owned range."""
         if self.master is None or self.master.untyped_storage().nbytes() == 0:
-            return  # no master, or the master is in an NVMe file (the store writes params)
-        lo, hi = self.owned
-        target = self.shard if self.sharded else self.full[lo:hi]
+            return  # no master, or the tier keeps it out of memory (and writes the params)
+        target = self.owned_params()
         if target.data_ptr() != self.master.data_ptr():
             target.copy_(self.master)
 

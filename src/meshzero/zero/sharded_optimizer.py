@@ -16,8 +16,8 @@ from torch import nn
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
-from meshzero.zero.nvme import TilePlanner
-from meshzero.zero.offload import placeholder
+from meshzero.zero.offload import Tier
+from meshzero.zero.offload.tier import placeholder
 from meshzero.zero.units import Fragment
 
 
@@ -25,10 +25,12 @@ class ShardedOptimizerState:
     """Master fragments of every trainable group and the step-time arithmetic on them."""
 
     def __init__(self, groups: list[FlatGroup], comm: Communicator, *, stage: int,
-                 allgather_bucket_numel: int, nvme_tile_numel: int | None = None):
-        """``nvme_tile_numel``: the optimizer state is in NVMe files; fragments are cut where
-        tiles begin and the leaves hold no memory between steps (zero/nvme.py)."""
+                 allgather_bucket_numel: int, tier: Tier):
+        """``tier``: where master, gradients and states live; a tier that steps tiles out of
+        memory gives a planner, and then fragments are cut where tiles begin and the leaves
+        hold no memory between steps."""
         self.groups = groups
+        self.tier = tier
         self.comm = comm
         self.stage = stage
         self.allgather_bucket_numel = allgather_bucket_numel
@@ -39,8 +41,8 @@ class ShardedOptimizerState:
         self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._view_weights: list[float] | None = None  # tp/pp norm weight of each view
         self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
-        self.tiles = None if nvme_tile_numel is None else TilePlanner(nvme_tile_numel)
-        self.tile_of: list[int] = []  # NVMe: the tile of each fragment_index entry
+        self.tiles = tier.tile_planner()
+        self.tile_of: list[int] = []  # tiled: the tile of each fragment_index entry
         for group in groups:
             if not group.trainable:
                 continue
@@ -81,7 +83,7 @@ class ShardedOptimizerState:
     def _trainable(self):
         return (g for g in self.groups if g.trainable)
 
-    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool, nvme=None,
+    def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool,
                           model_parallel: list | None = None,
                           replicated_weight: dict[int, float] | None = None
                           ) -> tuple[float, bool]:
@@ -99,9 +101,9 @@ class ShardedOptimizerState:
             return 0.0, False
         device = self.comm_device()
         stats = torch.zeros(2, dtype=torch.float64, device=device)
-        if nvme is not None:  # the gradient shard is in a file: read it tile by tile
-            stats += torch.tensor(nvme.grad_stats(need_norm, need_overflow),
-                                  dtype=torch.float64, device=device)
+        outside = self.tier.grad_stats(need_norm, need_overflow)
+        if outside is not None:  # the tier keeps the gradient shard out of memory
+            stats += torch.tensor(outside, dtype=torch.float64, device=device)
         if replicated_weight:
             if self._view_weights is None:  # the weights never change: map them once
                 weight = {id(leaf): replicated_weight.get(id(p), 1.0)
@@ -112,7 +114,7 @@ class ShardedOptimizerState:
                     stats[0] += view.double().pow(2).sum() * w
                 if need_overflow:
                     stats[1] += (~torch.isfinite(view)).sum()
-        for g in self._trainable() if nvme is None and not replicated_weight else ():
+        for g in self._trainable() if outside is None and not replicated_weight else ():
             if need_norm:
                 stats[0] += g.grad.double().pow(2).sum()
             if need_overflow:

@@ -1,5 +1,5 @@
-"""The NVMe tier: master, gradient shard, optimizer states and (stage 3) parameter shards of
-this rank in files, with only ``buffer_count`` tiles in host memory at once.
+"""The files of the NVMe tier: master, gradient shard, optimizer states and (stage 3)
+parameter shards of this rank, with only ``buffer_count`` tiles in host memory at once.
 
 This rank's *optimizer space* is the concatenation of the owned ranges of its trainable
 groups (``group.space_offset`` places each); tiles cut it into ``sub_group_size`` pieces,
@@ -30,13 +30,14 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from meshzero.comm import Communicator
 from meshzero.zero.flat_buffer import FlatGroup, free_storage
-from meshzero.zero.nvme_io import (  # noqa: F401  (NvmeIOError, TilePlanner: re-exported)
+from meshzero.zero.offload.host import step_subset, subsets_by_group
+from meshzero.zero.offload.nvme_io import (
     CUT,
     NvmeFile,
     NvmeIOError,
@@ -44,7 +45,10 @@ from meshzero.zero.nvme_io import (  # noqa: F401  (NvmeIOError, TilePlanner: re
     TileBuffers,
     TilePlanner,
 )
-from meshzero.zero.offload import HOST, OffloadOptions, placeholder, step_subset, subsets_by_group
+from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
+
+if TYPE_CHECKING:
+    from meshzero.comm import Communicator
 
 
 class NvmeStore:
@@ -74,6 +78,7 @@ class NvmeStore:
         self._grad_writes: deque[Future] = deque()
         self._shard_reads: dict[int, Future] = {}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
+        self._frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
         self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
                                     compute_dtype.itemsize)
@@ -126,12 +131,11 @@ class NvmeStore:
         frozen_at = 0
         for g in self.groups:
             if g.trainable:
-                lo, hi = g.owned
-                src = g.shard if g.sharded else g.full[lo:hi]
+                src = g.owned_params()
                 self.file("params", 0).write(g.space_offset, src.contiguous().cpu(),
                                              "initial params")
             elif g.sharded and self.options.param == "nvme":
-                g.frozen_offset = frozen_at
+                self._frozen_offset[id(g)] = frozen_at
                 self.frozen_file.write(frozen_at, g.shard.cpu(), "initial frozen params")
                 frozen_at += g.layout.shard_numel
             if g.sharded and self.options.param == "nvme":
@@ -334,7 +338,7 @@ class NvmeStore:
             host = torch.empty(hi - lo, dtype=self.compute_dtype)
             self.file("params", self.gen).read(g.space_offset, host,
                                                f"parameters of {g.layout.slots[0].name}")
-            (g.shard if g.sharded else g.full[lo:hi]).copy_(host)
+            g.owned_params().copy_(host)
 
     def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
         host = torch.empty(g.layout.shard_numel, dtype=self.compute_dtype,
@@ -343,7 +347,7 @@ class NvmeStore:
         if g.trainable:
             self.file("params", self.gen).read(g.space_offset, host, what)
         else:
-            self.frozen_file.read(g.frozen_offset, host, what)
+            self.frozen_file.read(self._frozen_offset[id(g)], host, what)
         return host
 
     def prefetch_shard(self, g: FlatGroup) -> bool:
@@ -400,12 +404,11 @@ class NvmeStore:
         for g in self.groups:
             if g.trainable:
                 self.file("master", self.gen).write(g.space_offset, g.master, "master")
-                lo, hi = g.owned
-                src = g.shard if g.sharded else g.full[lo:hi]
+                src = g.owned_params()
                 self.file("params", self.gen).write(g.space_offset, src.contiguous().cpu(),
                                                     "params")
             elif g.sharded and self.options.param == "nvme":
-                self.frozen_file.write(g.frozen_offset, g.shard.cpu(), "frozen params")
+                self.frozen_file.write(self._frozen_offset[id(g)], g.shard.cpu(), "frozen params")
         for i, (leaf, frag, g) in enumerate(index):
             for kind, value in optimizer.state.get(leaf, {}).items():
                 if isinstance(value, torch.Tensor):

@@ -1,0 +1,36 @@
+"""The device tier (no optimizer offload): master, gradient shard and optimizer states are
+tensors on the compute device and the optimizer steps them in place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshzero.zero.offload.tier import Tier
+
+if TYPE_CHECKING:
+    from meshzero.zero.flat_buffer import FlatGroup
+
+
+class DeviceTier(Tier):
+    name = "device"
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        return self.device
+
+    def master_is_copy(self, compute_dtype: torch.dtype) -> bool:
+        # in fp32 training the compute parameters are the master
+        return compute_dtype != torch.float32
+
+    def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
+        if not group.master_is_copy:  # the compute params are the master: no copy
+            return group.owned_params()
+        return init.clone()
+
+    def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
+        lo, hi = group.owned
+        if group.grad_full is not None:  # stages 0-1: a view of the persistent full buffer
+            return group.grad_full[lo:hi]
+        return torch.zeros(hi - lo, dtype=self.grad_dtype, device=self.device)

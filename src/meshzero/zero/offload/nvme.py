@@ -1,0 +1,141 @@
+"""The NVMe tier (``offload_optimizer.device = nvme``): master, gradient shard, optimizer
+states and, with ``offload_param.device = nvme``, the stage-3 parameter shards of this rank
+in files (:class:`~meshzero.zero.offload.nvme_store.NvmeStore`), stepped tile by tile.
+
+The paths are checked at initialize, before anything is written: they exist, are writable
+directories and have room for the files of this node's ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshzero.zero.offload.nvme_io import TilePlanner
+from meshzero.zero.offload.nvme_store import NvmeStore
+from meshzero.zero.offload.tier import Tier, placeholder
+
+if TYPE_CHECKING:
+    from meshzero.zero.flat_buffer import FlatGroup
+    from meshzero.zero.sharded_optimizer import ShardedOptimizerState
+
+
+# -- NVMe path checks (at initialize, before any work) ----------------------------------------
+def disk_free(path: str) -> int:
+    """Free bytes on the filesystem of ``path`` (tests replace this to simulate a full disk)."""
+    return shutil.disk_usage(path).free
+
+
+def probe_write(path: str) -> None:
+    """Create and remove a small file in ``path`` (OSError if that is not possible)."""
+    probe = os.path.join(path, f".meshzero-write-test-{os.getpid()}")
+    with open(probe, "wb") as f:
+        f.write(b"0")
+    os.unlink(probe)
+
+
+def check_nvme_path(key: str, path: str, needed: int) -> None:
+    """ValueError naming ``key`` unless ``path`` is a writable directory with ``needed``
+    bytes free."""
+    if not os.path.exists(path):
+        raise ValueError(f"{key} = {path!r} does not exist; give an existing, writable "
+                         "directory on the NVMe drive")
+    if not os.path.isdir(path):
+        raise ValueError(f"{key} = {path!r} is not a directory; give a writable directory")
+    try:
+        probe_write(path)
+    except OSError as exc:
+        raise ValueError(f"{key} = {path!r} is not writable: {exc.strerror}") from None
+    free = disk_free(path)
+    if free < needed:
+        raise ValueError(f"{key} = {path!r} has {free:,} bytes free but the NVMe offload of "
+                         f"the ranks on this node needs {needed:,} bytes")
+
+
+class NvmeTier(Tier):
+    name = "nvme"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # where each trainable group's owned range sits in the optimizer space, so its master
+        # can go to its file as soon as the group is built
+        self.space_numel, self._offsets = 0, {}
+        for unit in self.layout.units:
+            for g in unit.groups:
+                if g.requires_grad:
+                    self._offsets[(g.unit, g.index)] = self.space_numel
+                    self.space_numel += g.shard_numel
+        self._check_space()
+        self.store = NvmeStore(self.comm, self.options, self.compute_dtype, self.space_numel)
+
+    def _check_space(self) -> None:
+        """The paths have room for this node's ranks (upper bound: two generations of master,
+        Adam's two states and the params, one gradient shard)."""
+        opts, space = self.options, self.space_numel
+        itemsize = self.compute_dtype.itemsize
+        frozen = sum(g.shard_numel for unit in self.layout.units for g in unit.groups
+                     if not g.requires_grad and self.stage == 3 and not g.persistent)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        param_bytes = 2 * space * itemsize + (frozen * itemsize if opts.param == "nvme" else 0)
+        optim_bytes = space * (2 * 4 + 4 + 2 * 8)
+        paths = {opts.optimizer_nvme_path: ("offload_optimizer", optim_bytes)}
+        if opts.param == "nvme" and opts.param_nvme_path != opts.optimizer_nvme_path:
+            paths[opts.param_nvme_path] = ("offload_param", param_bytes)
+        else:
+            paths[opts.optimizer_nvme_path] = ("offload_optimizer", optim_bytes + param_bytes)
+        for path, (key, nbytes) in paths.items():
+            check_nvme_path(f"zero_optimization.{key}.nvme_path", path, nbytes * local)
+
+    # -- where things live ---------------------------------------------------------------------
+    def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
+        """The initial master goes straight to its file; the group keeps a placeholder."""
+        self.store.write_master(self._offsets[(group.layout.unit, group.layout.index)], init)
+        return placeholder(init.numel(), torch.float32)
+
+    def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
+        return None  # written to the grad file as each unit is reduced
+
+    def tile_planner(self) -> TilePlanner | None:
+        return TilePlanner(self.options.sub_group_size)
+
+    def shard_source(self):
+        return self.store if self.options.param == "nvme" else None
+
+    # -- wiring ------------------------------------------------------------------------------
+    def attach(self, units: list[list[FlatGroup]], optim_state: ShardedOptimizerState) -> None:
+        super().attach(units, optim_state)
+        assert optim_state.tiles is not None, "the optimizer space was planned by tile_planner"
+        if optim_state.space_numel != self.space_numel:
+            raise AssertionError(f"optimizer space {optim_state.space_numel} != layout "
+                                 f"{self.space_numel}")
+        self.store.attach([g for gs in units for g in gs], optim_state.fragment_index,
+                          optim_state.tiles, optim_state.tile_of)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super().attach_optimizer(optimizer)
+        self.store.attach_optimizer(optimizer)
+
+    # -- gradients and the step ----------------------------------------------------------------
+    def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
+        self.store.take_grad(group, out, accumulate)
+
+    def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float] | None:
+        return self.store.grad_stats(need_norm, need_overflow)
+
+    def step(self, scale: float) -> None:
+        self.store.step(self.optimizer, scale)
+
+    def materialized(self, write_back: bool = False) -> AbstractContextManager[None]:
+        return self.store.materialized(self.optimizer, self.optim_state.fragment_index,
+                                       write_back)
+
+    def close(self) -> None:
+        self.store.close()
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return self.store.buffer_nbytes
