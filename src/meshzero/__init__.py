@@ -1,10 +1,42 @@
-"""meshzero: ZeRO sharded data parallelism on PyTorch that reports what each rank really holds."""
+"""meshzero: ZeRO sharded data parallelism on PyTorch that reports what each rank really holds.
 
-from meshzero.config import Config, ConfigError, load_config
-from meshzero.engine import Engine, initialize
-from meshzero.zero.construction import zero_init
+The public names are imported on first use (PEP 562), so ``import meshzero``, ``meshzero
+--version`` and ``meshzero --help`` do not pay for importing torch.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"  # the one source: pyproject.toml reads it (tool.setuptools.dynamic)
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Config": "meshzero.config",
+    "ConfigError": "meshzero.config",
+    "load_config": "meshzero.config",
+    "Engine": "meshzero.engine",
+    "initialize": "meshzero.engine",
+    "zero_init": "meshzero.zero.construction",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from meshzero.config import Config, ConfigError, load_config
+    from meshzero.engine import Engine, initialize
+    from meshzero.zero.construction import zero_init
 
 __all__ = ["Config", "ConfigError", "Engine", "initialize", "load_config", "zero_init",
            "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'meshzero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

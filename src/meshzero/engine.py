@@ -60,11 +60,12 @@ class Engine(nn.Module):
         pipeline_layout: Any = None,
     ):
         super().__init__()
-        setup_logging()
+        setup_logging()  # with $RANK (torchrun's) until the process group says
         self.config = config
         built = build(model, config, optimizer=optimizer, model_parameters=model_parameters,
                       lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                       pipeline_layout=pipeline_layout)
+        setup_logging(built.topology.rank)  # rank 0 logs INFO, every rank warnings (log.py)
         self.topology: Topology = built.topology
         self.device = built.topology.device
         self.compute_dtype = config.compute_dtype

@@ -148,7 +148,7 @@ def report(measure_cpu: bool = True) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "env", help="report the environment (like ds_report)",
+        "env",
         description="Report torch, CUDA, NCCL and gloo, the devices and their peak FLOP/s, "
                     "fused optimizer support, free space on NVMe/scratch paths and the "
                     "optional extras installed.")

@@ -108,7 +108,7 @@ def launch(fn, nproc: int, *args: Any) -> dict[int, Any]:
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "demo", help="train a small byte-level GPT with ZeRO-3 on local ranks",
+        "demo",
         description="Train a small byte-level GPT (about 3.3 M parameters) on the Python "
                     "standard library's source with meshzero, on N local ranks started by "
                     "PyTorch's elastic launcher. Rank 0 shows the progress, the profiler "

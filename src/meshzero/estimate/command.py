@@ -103,7 +103,7 @@ def model_of(args: argparse.Namespace) -> tuple[ModelSpec, int | None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "estimate", help="memory per GPU and per node of a model, config and cluster",
+        "estimate",
         description="Estimate the memory of training a model with meshzero: per GPU "
                     "parameters, gradients, master parameters, optimizer states (the bytes "
                     "engine.memory_report() reports), the stage-3 gathered working set, "

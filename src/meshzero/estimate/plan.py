@@ -413,7 +413,7 @@ def _plan(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: A
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "plan", help="the configs that fit a cluster, ranked by estimated step time",
+        "plan",
         description="Try every ZeRO stage, offload choice and micro batch, keep those that "
                     "fit (meshzero estimate) and rank them by a step time estimated from "
                     "FLOPs and communication volume under the stated assumptions.")
