@@ -45,6 +45,7 @@ def test_demo_trains_and_reports(tmp_path) -> None:
     assert re.search(r"^\s+0\s", table, re.MULTILINE) and re.search(r"^\s+1\s", table,
                                                                      re.MULTILINE)
     assert "sample (temperature" in out
+    assert f"wrote the profile to {tmp_path / 'out' / 'profile.json'}" in out
     profile = json.loads((tmp_path / "out" / "profile.json").read_text())
     assert profile["world_size"] == 2 and profile["zero_stage"] == 3
 

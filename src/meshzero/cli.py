@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from meshzero import __version__
 

@@ -63,7 +63,7 @@ def setup_logging(rank: int | None = None) -> None:
     ``rank``: this process's global rank (default: ``$RANK``, else 0). Safe to call again."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     logger = logging.getLogger("meshzero")
-    level = env_level()
+    level, all_ranks = env_level(), env_all_ranks()  # both checked on every rank
     ours = [h for h in logger.handlers if isinstance(h, _FallbackHandler)]
     if not ours and not logging.getLogger().handlers and not logger.handlers:
         logger.addHandler(_FallbackHandler(rank))
@@ -73,7 +73,7 @@ def setup_logging(rank: int | None = None) -> None:
         handler.set_rank(rank)
     if level is not None:
         logger.setLevel(level)
-    if rank != 0 and not env_all_ranks():
+    if rank != 0 and not all_ranks:
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
 
 

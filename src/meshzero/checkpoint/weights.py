@@ -57,6 +57,11 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
     side by side, tensor-parallel slices concatenated as they were cut. One process, no
     distributed; memory: one parameter (all its tp slices) at a time."""
+    if not Path(ckpt_dir).is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist"
+                                if not Path(ckpt_dir).exists() else
+                                f"{str(ckpt_dir)!r} is not a directory: give the save_dir "
+                                "passed to engine.save_checkpoint")
     directory = resolve_tag(ckpt_dir, tag)
     if directory is None:
         raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")

@@ -15,21 +15,29 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import meshzero
-from meshzero.demo.gpt import GPTConfig
+
+if TYPE_CHECKING:
+    from meshzero.demo.gpt import GPTConfig
 
 DEFAULT_STEPS = 80
 DEFAULT_SCALING_STEPS = 6
 GLOBAL_BATCH = 16  # sequences of GPTConfig.block_size bytes per optimizer step
 
 
+def cuda_devices() -> int:
+    """The GPUs this process sees, 0 without CUDA. torch is imported here rather than at the
+    top so that `meshzero demo --help` starts without it."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_nproc() -> int:
     """One rank per GPU when CUDA is present, else 4 CPU ranks."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+    return cuda_devices() or 4
 
 
 def demo_config(steps: int, nproc: int, out: Path | None, offload: bool = True
@@ -40,7 +48,7 @@ def demo_config(steps: int, nproc: int, out: Path | None, offload: bool = True
     zero: dict[str, Any] = {"stage": 3, "overlap_comm": True,
                             "stage3_param_persistence_threshold": 0}
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda_devices() > 0}
     batch = GLOBAL_BATCH if GLOBAL_BATCH % nproc == 0 else 4 * nproc
     return {
         "train_batch_size": batch,
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     out = Path(args.out)
-    if not torch.cuda.is_available():
+    if not cuda_devices():
         os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank; the ranks share the cores
     try:
         return _run_scaling(args, out) if args.scaling else _run_demo(args, out)
@@ -152,12 +160,13 @@ def _check_positive(name: str, value: int) -> None:
 
 def _check_ranks(name: str, nproc: int) -> None:
     _check_positive(name, nproc)
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise ValueError(f"{name} {nproc}: one rank per GPU, and there are only "
-                         f"{torch.cuda.device_count()}")
+    gpus = cuda_devices()
+    if gpus and nproc > gpus:
+        raise ValueError(f"{name} {nproc}: one rank per GPU, and there are only {gpus}")
 
 
 def _run_demo(args: argparse.Namespace, out: Path) -> int:
+    from meshzero.demo.gpt import GPTConfig
     from meshzero.demo.train import TrainOptions, train_rank
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
@@ -168,16 +177,20 @@ def _run_demo(args: argparse.Namespace, out: Path) -> int:
               else demo_config(steps, nproc, out))
     meshzero.load_config(config).resolve_batch(nproc)  # fail here, not on every rank
     model = GPTConfig()
-    print(f"meshzero demo: {nproc} ranks ({'NCCL' if torch.cuda.is_available() else 'gloo'}), "
+    print(f"meshzero demo: {nproc} ranks ({'NCCL' if cuda_devices() else 'gloo'}), "
           f"a byte-level GPT of {_num_params(model) / 1e6:.2f} M parameters, {steps} steps, "
           f"config {args.config or 'ZeRO-3 (built in)'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)  # the profiler writes profile.json there
-    launch(train_rank, nproc, TrainOptions(steps=steps, config=config, model=model))
+    returned = launch(train_rank, nproc, TrainOptions(steps=steps, config=config, model=model))
+    profile = config.get("flops_profiler", {}).get("output_file")
+    if profile and returned[0]["profiled"]:
+        print(f"wrote the profile to {profile}")
     return 0
 
 
 def _run_scaling(args: argparse.Namespace, out: Path) -> int:
     from meshzero.demo import scaling
+    from meshzero.demo.gpt import GPTConfig
     from meshzero.demo.train import TrainOptions, train_rank
 
     if args.config:
@@ -209,6 +222,8 @@ def _run_scaling(args: argparse.Namespace, out: Path) -> int:
 
 
 def _num_params(cfg: GPTConfig) -> int:
+    import torch
+
     from meshzero.demo.gpt import GPT
 
     with torch.device("meta"):

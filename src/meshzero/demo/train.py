@@ -73,7 +73,7 @@ def train_rank(opts: TrainOptions) -> dict[str, Any]:
         print(f"trained {opts.steps} steps on {world} ranks in {seconds:.1f} s "
               f"({tokens / seconds:.0f} tokens/s over all ranks)", flush=True)
     result = {"losses": losses, "memory": memory, "seconds": seconds, "world_size": world,
-              "params": engine.zero.layout.numel}
+              "params": engine.zero.layout.numel, "profiled": engine.last_profile is not None}
     dist.destroy_process_group()
     return result
 

@@ -8,6 +8,7 @@ import importlib
 import json
 
 from meshzero.checkpoint.model_files import parse_size
+from meshzero.cli import EXIT_DOES_NOT_FIT, EXIT_OK
 from meshzero.estimate.core import Estimator
 from meshzero.estimate.model import ModelSpec, load_model
 from meshzero.estimate.settings import OFFLOAD_DEVICES, PRECISIONS, Cluster, settings_from_config
@@ -32,8 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=int, default=1, help="default 1")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     g.add_argument("--gpu-memory", default="80GB", help="per GPU (default 80GB)")
     g.add_argument("--host-memory", default="1TB", help="per node (default 1TB)")
 
@@ -42,13 +43,19 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
     g = p.add_argument_group("config (flags override the ds_config)")
     g.add_argument("--config", default=None, help="a ds_config.json")
     if not search:
-        g.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None)
-        g.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default=None)
-        g.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default=None)
+        g.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
+                       help="ZeRO stage (default: the config's zero_optimization.stage, else 0)")
+        g.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default=None,
+                       help="where the fp32 master weights and optimizer states live, stages "
+                            "1-3 (default: the config's offload_optimizer.device, else none)")
+        g.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default=None,
+                       help="where the parameter shards live between uses, stage 3 (default: "
+                            "the config's offload_param.device, else none)")
         g.add_argument("--micro-batch", type=int, default=None,
                        help="samples per GPU per micro-step (default: the config's, else 1)")
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
-                   help="compute dtype (default: the config's, else fp32)")
+                   help="compute dtype; fp32 master weights either way (default: the "
+                        "config's bf16/fp16 section, else fp32)")
     g.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default: the model's context length)")
     g.add_argument("--tp", type=int, default=None,
@@ -127,5 +134,5 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, **mesh_of(args))
     est = Estimator(spec, per_sample, pipeline_layout_arg(args)).estimate(settings, cluster)
     print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else est)
-    return 0
+    return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT
 

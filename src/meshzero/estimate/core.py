@@ -23,7 +23,7 @@ from meshzero.estimate.mesh import (
     rank_modules,
     stage_inputs,
 )
-from meshzero.estimate.model import InputsFn, ModelSpec, load_model
+from meshzero.estimate.model import InputsFn, ModelSpec, check_seq_len, load_model
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
 from meshzero.estimate.states import ModelStates, Report, total_bytes
 from meshzero.zero.units import Layout, build_layout
@@ -211,6 +211,7 @@ class Estimator:
                  search_micro_batch: bool = True) -> Estimate:
         if settings.seq_len is None and self.spec.default_seq_len is not None:
             settings = settings.replace(seq_len=self.spec.default_seq_len)
+        seq_note = check_seq_len(self.spec, settings.seq_len)
         pp_rank, states = self.largest(settings, cluster.world_size)
         dp_rank, report = states.largest_rank()
         dp = states.world_size
@@ -227,6 +228,8 @@ class Estimator:
             param_read_buffers=states.param_read_bytes(),
             activations=self.activation_bytes(settings, settings.micro_batch),
             flops_per_micro_batch=profile.flops if profile else None)
+        if seq_note:
+            est.notes.append(seq_note)
         if settings.model_parallel > 1:
             est.notes.append(mesh_note(settings, dp, pp_rank, dp_rank))
         if profile is not None and profile.depth:

@@ -144,14 +144,39 @@ def _build(factory: Callable[[], Any], name: str) -> nn.Module:
     return model
 
 
-def default_seq_len(model: nn.Module) -> int | None:
-    """The model's context length if its config says (block_size, max_position_embeddings...)."""
+def context_length(model: nn.Module) -> tuple[str, int] | None:
+    """``(attribute, value)`` of the model's context length if its config says
+    (block_size, n_positions, max_position_embeddings...)."""
     for holder in (getattr(model, "config", None), getattr(model, "cfg", None), model):
         for attr in SEQ_LEN_ATTRS:
             value = getattr(holder, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+                return attr, value
     return None
+
+
+def default_seq_len(model: nn.Module) -> int | None:
+    """The model's context length if its config says (see :func:`context_length`)."""
+    found = context_length(model)
+    return found[1] if found else None
+
+
+def check_seq_len(spec: ModelSpec, seq_len: int | None) -> str | None:
+    """Refuse a ``seq_len`` longer than a learned position table (an embedding with as many
+    rows as the context length: a real forward indexes past it and raises; fake tensors would
+    not). Beyond a context length with no such table (rotary positions) the model runs:
+    returns a note instead."""
+    found = context_length(spec.input_model or spec.model)
+    if seq_len is None or found is None or seq_len <= found[1]:
+        return None
+    attr, limit = found
+    if any(isinstance(m, nn.Embedding) and m.num_embeddings == limit
+           for m in spec.model.modules()):
+        raise ValueError(f"seq_len {seq_len} is longer than the model's {attr} = {limit}: its "
+                         f"position embedding has {limit} rows, so a forward would fail; give "
+                         f"a seq_len of at most {limit}")
+    return (f"seq_len {seq_len} is longer than the model's {attr} = {limit} (positions are "
+            "not a learned table, so it runs, beyond the length the model was trained to)")
 
 
 # -- Hugging Face --------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from typing import Any
 from torch import nn
 
 from meshzero.checkpoint.model_files import parse_size
+from meshzero.cli import EXIT_DOES_NOT_FIT, EXIT_OK
 from meshzero.config import Config, ConfigError, load_config
 from meshzero.estimate.command import (
     add_cluster_args,
@@ -223,6 +224,10 @@ class Plan:
         return self.format()
 
 
+class NothingFitsError(ValueError):
+    """No configuration fits the cluster; the message names the closest and what to change."""
+
+
 class Planner:
     def __init__(self, estimator: Estimator, base: Settings, cluster: Cluster,
                  assumptions: Assumptions, global_batch: int | None):
@@ -289,7 +294,7 @@ class Planner:
                 if est.fits:
                     fits.append(self.timed(est))
         if not fits:
-            raise ValueError(_nothing_fits(smallest, self.cluster))
+            raise NothingFitsError(_nothing_fits(smallest, self.cluster))
         fits.sort(key=_rank)
         spec = self.estimator.spec
         plan = Plan(spec.name, spec.num_params, self.cluster, self.assumptions,
@@ -320,9 +325,20 @@ class Planner:
         return Candidate(est, compute, comm, offload, tokens * s.grad_accum * dp)
 
 
-def _rank(c: Candidate) -> tuple[float, int]:
-    """Fastest first; of equally fast ones, the one that needs less GPU memory."""
-    return -c.tokens_per_s, c.estimate.gpu_bytes
+OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+def _rank(c: Candidate) -> tuple:
+    """The ranking, a total order (no two configurations tie, whatever order they were tried
+    in): most tokens/s first, equal to 6 significant digits counting as a tie (the step-time
+    model is not more exact than that); then less GPU memory; less host memory per node; then
+    fewer moving parts: less offload (none < cpu < nvme, the optimizer's, then the
+    parameters'), a lower ZeRO stage, no activation checkpointing, smaller tp, smaller pp,
+    and last a larger micro batch (fewer accumulation steps)."""
+    e, s = c.estimate, c.estimate.settings
+    return (-float(f"{c.tokens_per_s:.6g}"), e.gpu_bytes, e.host_bytes_per_node,
+            OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_param], s.stage,
+            s.activation_checkpointing, s.tp, s.pp, -s.micro_batch)
 
 
 def _pressure(e: Estimate) -> float:
@@ -395,8 +411,9 @@ def _plan(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: A
             plans.append(Planner(estimator, mesh, cluster, assumptions, global_batch).run(options))
         except ValueError as exc:  # this mesh cannot run the model, or nothing fits on it
             failures.append((mesh, exc))
-    if not plans:
-        raise failures[0][1]
+    if not plans:  # say that nothing fits if some mesh could run the model
+        raise next((exc for _, exc in failures if isinstance(exc, NothingFitsError)),
+                   failures[0][1])
     result = plans[0]
     result.candidates = sorted((c for p in plans for c in p.candidates), key=_rank)
     result.considered = sum(p.considered for p in plans)
@@ -466,9 +483,13 @@ def run(args: argparse.Namespace) -> int:
     global_batch = args.global_batch
     if global_batch is None and args.config is not None:
         global_batch = load_config(args.config).train_batch_size
-    result = _plan(Estimator(spec, per_sample, pipeline_layout_arg(args)), base, cluster,
-                   assumptions, global_batch, bool(args.activation_checkpointing),
-                   args.search_mesh)
+    try:
+        result = _plan(Estimator(spec, per_sample, pipeline_layout_arg(args)), base, cluster,
+                       assumptions, global_batch, bool(args.activation_checkpointing),
+                       args.search_mesh)
+    except NothingFitsError as exc:  # an answer, not an error in the input
+        print(f"meshzero plan: {exc}")
+        return EXIT_DOES_NOT_FIT
     print(result.format(args.top))
     if args.write_config:
         raw = _raw_config(args.config)
@@ -476,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result.best.ds_config(raw), f, indent=2)
             f.write("\n")
         print(f"wrote the fastest configuration to {args.write_config}")
-    return 0
+    return EXIT_OK
 
 
 def _raw_config(path: str | None) -> dict[str, Any] | None:
