@@ -104,13 +104,14 @@ def test_user_errors_are_one_line_without_a_traceback(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith(f"meshzero {argv[0]}: error: "), lines
         assert expected in lines[0]
     # the same in a real process (an error found before torch is imported: fast)
-    proc = run("estimate", "--params", "7B", env={log.LEVEL_ENV: "LOUD"})
+    proc = run("consolidate", "ckpt", "out", env={log.LEVEL_ENV: "LOUD"})
     assert proc.returncode == EXIT_ERROR
     assert proc.stderr.splitlines() == [
-        "meshzero estimate: error: MESHZERO_LOG_LEVEL='LOUD' is not a level; use one of "
+        "meshzero consolidate: error: MESHZERO_LOG_LEVEL='LOUD' is not a level; use one of "
         "DEBUG, INFO, WARNING, ERROR, CRITICAL"]
     # MESHZERO_LOG_LEVEL=DEBUG shows the traceback
-    proc = run("estimate", env={log.LEVEL_ENV: "DEBUG", log.ALL_RANKS_ENV: "maybe"})
+    proc = run("consolidate", "ckpt", "out",
+               env={log.LEVEL_ENV: "DEBUG", log.ALL_RANKS_ENV: "maybe"})
     assert proc.returncode == 1 and "Traceback" in proc.stderr
     assert "MESHZERO_LOG_ALL_RANKS='maybe'" in proc.stderr
 
@@ -131,9 +132,8 @@ def test_seq_len_beyond_a_learned_position_table_is_refused(tmp_path, capsys):
     pytest.importorskip("transformers")
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_positions": 32,
-                                "n_embd": 16, "n_layer": 2, "n_head": 2}))
-    assert main(["estimate", str(gpt2), "--seq-len", "32"]) == EXIT_OK
-    capsys.readouterr()
+                                "n_embd": 16, "n_layer": 2, "n_head": 2,
+                                "bos_token_id": 0, "eos_token_id": 0}))
     assert main(["estimate", str(gpt2), "--seq-len", "64"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "seq_len 64 is longer than the model's n_positions = 32" in err
