@@ -74,6 +74,21 @@ def test_every_option_has_help():
     assert not missing, f"options without help text: {missing}"
 
 
+def test_docs_page_names_every_command_and_option():
+    text = (REPO_ROOT / "docs" / "cli.md").read_text()
+    commands = _subparsers(build_parser())
+    for name, p in commands.items():
+        assert f"## `meshzero {name}`" in text
+        for action in p._actions:
+            for option in action.option_strings:
+                assert option.startswith("-h") or option == "--help" or option in text, (
+                    name, option)
+    for variable in (log.LEVEL_ENV, log.ALL_RANKS_ENV):
+        assert variable in text
+    for code in (EXIT_OK, EXIT_ERROR, EXIT_DOES_NOT_FIT):
+        assert f"| {code} |" in text
+
+
 def test_estimate_exit_code_says_whether_it_fits(capsys):
     # 7B in fp32 with Adam at stage 0: 16 bytes per parameter, 112 GB, on 80 GB GPUs
     assert main(["estimate", "--params", "7B"]) == EXIT_DOES_NOT_FIT

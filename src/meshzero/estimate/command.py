@@ -116,7 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "engine.memory_report() reports), the stage-3 gathered working set, "
                     "communication buckets and activations (one forward/backward on fake "
                     "tensors); per node host memory; whether it fits, and the largest micro "
-                    "batch that does.")
+                    "batch that does. Exits 3 when it does not fit.")
     add_model_args(p)
     add_cluster_args(p)
     add_settings_args(p)
