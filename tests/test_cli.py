@@ -112,6 +112,9 @@ def test_user_errors_are_one_line_without_a_traceback(tmp_path, capsys):
         (["consolidate", str(tmp_path / "nonexistent"), str(tmp_path / "out")],
          "does not exist"),
         (["demo", "--config", str(tmp_path / "missing.json")], "does not exist"),
+        (["plan", "--params", "1B", "--top", "-1"], "--top must be 0"),
+        (["plan", "--params", "1B", "--write-config", str(tmp_path / "no" / "x.json")],
+         "the directory does not exist"),
     ]
     for argv, expected in cases:
         assert main(argv) == EXIT_ERROR, argv

@@ -477,6 +477,10 @@ def _size(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.top < 0:
+        raise ValueError(f"--top must be 0 (all rows) or more, got {args.top}")
+    if args.write_config and not os.path.isdir(os.path.dirname(args.write_config) or "."):
+        raise ValueError(f"--write-config {args.write_config}: the directory does not exist")
     cluster = cluster_of(args)
     spec, per_sample = model_of(args)
     assumptions = Assumptions(gpu_flops=args.gpu_flops, mfu=args.mfu,
