@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshzero import __version__
+from meshzero.log import LEVEL_ENV, setup_logging
 
 # Exit codes, for scripts (docs/cli.md). argparse itself exits 2 on a usage error.
 EXIT_OK = 0
@@ -128,12 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     prog = f"meshzero {args.command}"
     try:
-        from meshzero.log import setup_logging
-
         setup_logging()
         return args.run(args)
     except (ValueError, OSError) as exc:  # the user's input or files: say which, no traceback
-        if os.environ.get("MESHZERO_LOG_LEVEL", "").strip().upper() == "DEBUG":
+        if os.environ.get(LEVEL_ENV, "").strip().upper() == "DEBUG":
             raise
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

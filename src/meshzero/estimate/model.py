@@ -166,12 +166,12 @@ def check_seq_len(spec: ModelSpec, seq_len: int | None) -> str | None:
     rows as the context length: a real forward indexes past it and raises; fake tensors would
     not). Beyond a context length with no such table (rotary positions) the model runs:
     returns a note instead."""
-    found = context_length(spec.input_model or spec.model)
+    model = spec.input_model or spec.model  # the whole model, where a cut is estimated
+    found = context_length(model)
     if seq_len is None or found is None or seq_len <= found[1]:
         return None
     attr, limit = found
-    if any(isinstance(m, nn.Embedding) and m.num_embeddings == limit
-           for m in spec.model.modules()):
+    if any(isinstance(m, nn.Embedding) and m.num_embeddings == limit for m in model.modules()):
         raise ValueError(f"seq_len {seq_len} is longer than the model's {attr} = {limit}: its "
                          f"position embedding has {limit} rows, so a forward would fail; give "
                          f"a seq_len of at most {limit}")
