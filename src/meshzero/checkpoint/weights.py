@@ -49,14 +49,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # -- whole-model weight files ----------------------------------------------------------------
-def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                tag: str | None = None, dtype: str | torch.dtype = "fp32",
-                max_shard_size: str | int = "5GB") -> list[Path]:
-    """Write a checkpoint's full model as safetensors under the model's state_dict names
-    (tied names as copies), sharded with ``model.safetensors.index.json`` above
-    ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
-    side by side, tensor-parallel slices concatenated as they were cut. One process, no
-    distributed; memory: one parameter (all its tp slices) at a time."""
+def _tag_directory(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
+    """The tag's directory under a checkpoint directory, or an error that says what is wrong."""
     if not Path(ckpt_dir).is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist"
                                 if not Path(ckpt_dir).exists() else
@@ -65,6 +59,18 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     directory = resolve_tag(ckpt_dir, tag)
     if directory is None:
         raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")
+    return directory
+
+
+def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                tag: str | None = None, dtype: str | torch.dtype = "fp32",
+                max_shard_size: str | int = "5GB") -> list[Path]:
+    """Write a checkpoint's full model as safetensors under the model's state_dict names
+    (tied names as copies), sharded with ``model.safetensors.index.json`` above
+    ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
+    side by side, tensor-parallel slices concatenated as they were cut. One process, no
+    distributed; memory: one parameter (all its tp slices) at a time."""
+    directory = _tag_directory(ckpt_dir, tag)
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else dtype
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
