@@ -17,6 +17,7 @@ from meshzero import checkpoint
 from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.config import Config, load_config
+from meshzero.lifecycle import Lifecycle
 from meshzero.log import setup_logging
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.report import ProfileReport
@@ -90,6 +91,8 @@ class Engine(nn.Module):
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
+        # close() / `with engine:` / the exit hook: nothing in flight at interpreter exit
+        self.lifecycle = Lifecycle(self.comm_stats, self.zero.close)
 
     # the step counters live in one StepCounters, which checkpoints save and restore
     global_steps = _counter("global_steps")
@@ -280,8 +283,18 @@ class Engine(nn.Module):
             return self.zero.full_state_dict()
 
     def close(self) -> None:
-        """Stop offload threads and remove this rank's NVMe files (also done at exit)."""
-        self.zero.close()
+        """Wait for every collective still in flight, join the offload threads and remove
+        this rank's NVMe files; the engine cannot train afterwards. Call it on every rank
+        (it may wait on collectives), or use ``with engine:``. Optional: what it releases is
+        released at exit too (docs/lifecycle.md). Idempotent."""
+        self.lifecycle.close(block=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # on an error a peer may never join a collective in flight: release, do not wait
+        self.lifecycle.close(block=exc_type is None)
 
     # -- checkpoints (the checkpoint package sees a TrainingState, not the engine) ------------
     def training_state(self) -> TrainingState:
