@@ -142,11 +142,10 @@ class CommStats:
 class Handle:
     """An in-flight collective. Holds references to its buffers until waited on.
 
-    No completion callback (``work.get_future().then``) is attached: gloo runs such a
-    Python callback, and releases it, on its own worker thread, which must take the GIL to
-    do so. When that happens after the last wait of a job, while the interpreter shuts
-    down, Python ends the thread (``pthread_exit``) inside a C++ ``noexcept`` frame and the
-    process aborts with ``terminate called without an active exception``.
+    No completion callback (``work.get_future().then``) is attached: gloo would run the
+    Python callback on its own C++ worker thread, which then needs the GIL, and torch warns
+    that such a hook crashes the process if it runs after the interpreter has exited. The
+    end of an op is taken from ``is_completed()`` at the start of its wait instead.
     """
 
     def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,

@@ -92,7 +92,7 @@ class Engine(nn.Module):
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
         # close() / `with engine:` / the exit hook: nothing in flight at interpreter exit
-        self.lifecycle = Lifecycle(self.comm_stats, self.zero.close)
+        self.lifecycle = Lifecycle(self, self.comm_stats, self.zero.close)
 
     # the step counters live in one StepCounters, which checkpoints save and restore
     global_steps = _counter("global_steps")

@@ -15,13 +15,18 @@ waits for every collective still in flight: the other ranks issued the same ones
 it on every rank. ``close(block=False)`` (leaving ``with engine:`` on an exception, and the
 exit hook) never waits on communication, because after an error a peer may never join: it
 releases the collectives that have completed and leaves the others (their count is logged).
-The exit hook runs from :mod:`atexit`, before the interpreter starts finalizing, for an
-engine that is still alive and was not closed.
+The exit hook is a :func:`weakref.finalize` on the engine: it runs when the engine is
+garbage-collected, or (if it is still alive then) from :mod:`atexit`, before the
+interpreter starts finalizing.
+
+The process group itself is torch's: ``dist.destroy_process_group()`` frees it, and with
+it gloo's threads, once nothing else holds it. ``init_distributed`` imports
+``torch._dynamo`` before creating it, because that import (done by the first
+``torch.optim`` optimizer) otherwise keeps the WORLD group alive for good.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import weakref
 from collections.abc import Callable
@@ -32,23 +37,18 @@ logger = logging.getLogger(__name__)
 
 
 class Lifecycle:
-    """Closes one engine's communication and ZeRO state once: explicitly or at exit."""
+    """Closes one engine's communication and ZeRO state once: explicitly, when the engine
+    is garbage-collected, or at exit."""
 
-    def __init__(self, comm_stats: CommStats, close_state: Callable[[], None]):
-        """``close_state``: joins the engine's worker threads and removes its files
-        (``ZeroModelState.close``)."""
+    def __init__(self, owner: object, comm_stats: CommStats, close_state: Callable[[], None]):
+        """``owner``: the engine (only weakly referenced); ``close_state``: joins its worker
+        threads, removes its files and hooks (``ZeroModelState.close``)."""
         self.comm_stats = comm_stats
         self.close_state = close_state
         self.closed = False
-        ref = weakref.ref(self)
-
-        def at_exit() -> None:  # only a weak reference: the hook keeps no engine alive
-            lifecycle = ref()
-            if lifecycle is not None:
-                lifecycle.close(block=False)
-
-        self._at_exit = at_exit
-        atexit.register(at_exit)
+        # runs close(block=False) when the owner is collected, or from atexit if it is
+        # still alive then (weakref.finalize's own exit hook), never both
+        self._finalizer = weakref.finalize(owner, self.close, False)
 
     def close(self, block: bool = True) -> None:
         """Wait for (``block``) or release every collective in flight, then join threads
@@ -56,7 +56,7 @@ class Lifecycle:
         if self.closed:
             return
         self.closed = True
-        atexit.unregister(self._at_exit)
+        self._finalizer.detach()
         try:
             left = self.comm_stats.finish_pending(block=block)
         finally:

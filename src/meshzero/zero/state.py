@@ -147,6 +147,12 @@ class ZeroModelState:
         no training afterwards."""
         self.closed = True
         self.tier.close()
+        # the parameters' hooks hold the reducer and sharder (and through them the process
+        # groups) in a cycle the garbage collector cannot see through; removed, the state is
+        # freed with the engine
+        self.reducer.remove_hooks()
+        if self.sharder is not None:
+            self.sharder.remove_hooks()
 
     def _check_open(self) -> None:
         if self.closed:
