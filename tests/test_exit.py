@@ -22,7 +22,7 @@ import torch
 
 import meshzero
 from meshzero.comm import CommStats, Handle, OpStats
-from meshzero.lifecycle import Lifecycle
+from meshzero.engine import release
 from tests.models import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -117,13 +117,20 @@ def test_handles_are_pending_until_waited_and_close_waits_or_releases():
     h_running = Handle(running, OpStats(), time.perf_counter(), stats.pending, buffers)
     assert set(stats.pending.values()) == {h_done, h_running}
     closed = []
-    owner = _Work()  # any object that can be weakly referenced
-    lifecycle = Lifecycle(owner, stats, lambda: closed.append(True))
+
+    class Zero:  # what release() uses of ZeroModelState
+        closed = False
+
+        def close(self):
+            self.closed = True
+            closed.append(True)
+
+    zero = Zero()
     # after an error: release what completed, never wait on what a peer may never join
-    lifecycle.close(block=False)
+    release(stats, zero, block=False)
     assert list(stats.pending.values()) == [h_running] and running.waits == 0
     assert closed == [True]
-    lifecycle.close(block=True)  # idempotent: closed once
+    release(stats, zero, block=True)  # idempotent: closed once
     assert closed == [True] and running.waits == 0
     assert stats.finish_pending(block=True) == 0 and running.waits == 1 and not stats.pending
     h_running.wait()  # a second wait is a no-op
