@@ -8,9 +8,14 @@ bandwidth), so they can be compared with the ZeRO paper's formulas:
 - all-reduce of B bytes over N ranks:                  2 B * (N-1) / N
 
 Seconds: ``seconds`` is the wall time during which at least one op of the kind was in
-flight, from issue to completion (the union of those intervals; gloo gives no completion
-time, so there an op ends when its wait returns: an upper bound). ``exposed_seconds`` is
-the time the caller spent blocked waiting, i.e. what was not hidden behind compute.
+flight, from issue to completion (the union of those intervals). No completion callback is
+attached to an op (see :class:`Handle`), so an op ends when its wait starts if it had
+completed by then, else when its wait returns: an upper bound. ``exposed_seconds`` is the
+time the caller spent blocked waiting, i.e. what was not hidden behind compute.
+
+Lifecycle: every op is waited on by the code that issued it; ``CommStats.pending`` holds the
+ops not waited on yet, so that ``Engine.close()`` (or the exit hook) can wait for or release
+them before the interpreter shuts down.
 
 Every op is also counted by phase (``CommStats.phase``: forward, backward, step, set by the
 engine) and as inside-node or across-node: a collective over a group whose ranks sit on more
@@ -19,7 +24,6 @@ than one node (``Topology.node_of``) counts all its bytes as across-node.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +83,20 @@ class CommStats:
 
     ops: dict[tuple[str, str, str], OpStats] = field(default_factory=dict)
     phase: str = "forward"
+    # ops issued and not waited on yet, by id(handle); a Handle removes itself on wait
+    pending: dict[int, Handle] = field(default_factory=dict)
+
+    def finish_pending(self, block: bool = True) -> int:
+        """Wait for every op not waited on yet (``block``), or (not ``block``: at exit after
+        an error, when a peer may never join) release those that have completed. Returns
+        how many were left in flight."""
+        left = 0
+        for handle in list(self.pending.values()):
+            if block or handle.completed():
+                handle.wait()
+            else:
+                left += 1
+        return left
 
     def get(self, group: str, op: str, inter_node: bool = False) -> OpStats:
         stats = self.ops.setdefault((group, op, self.phase), OpStats())
@@ -122,33 +140,44 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective. Holds references to its buffers until waited on."""
+    """An in-flight collective. Holds references to its buffers until waited on.
 
-    def __init__(self, work: dist.Work | None, stats: OpStats, issued: float, *buffers):
+    No completion callback (``work.get_future().then``) is attached: gloo would run the
+    Python callback on its own C++ worker thread, which then needs the GIL, and torch warns
+    that such a hook crashes the process if it runs after the interpreter has exited. The
+    end of an op is taken from ``is_completed()`` at the start of its wait instead.
+    """
+
+    def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,
+                 pending: dict[int, Handle] | None, *buffers):
         self._work = work
         self._stats = stats
         self._issued = issued
-        self._buffers = buffers  # keep in-flight memory alive (instead of record_stream)
-        self._done_at: list[float] = []
-        if work is not None:
-            # Completion time where the backend offers futures (NCCL); gloo's tensor
-            # collectives raise "Work::getFuture not implemented", and then the end of an op
-            # is taken as the moment its wait returns (an upper bound).
-            with contextlib.suppress(RuntimeError):
-                work.get_future().then(lambda _fut: self._done_at.append(time.perf_counter()))
+        self._buffers: tuple | None = buffers  # in-flight memory stays alive (no record_stream)
+        self._pending = pending
+        if pending is not None:
+            pending[id(self)] = self
+
+    def completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         if self._buffers is None:
             return
         if self._work is not None:
             t0 = time.perf_counter()
+            done_before = self._work.is_completed()
             self._work.wait()
-            t1 = time.perf_counter()
+            # completed before the wait: it ended by t0 and nothing was exposed; else it
+            # ended as the wait returned
+            t1 = t0 if done_before else time.perf_counter()
             self._stats.exposed_seconds += t1 - t0
-            # completed before the wait: the future's time; else it completed as the wait ended
-            done = self._done_at[0] if self._done_at and self._done_at[0] < t0 else t1
-            self._stats.intervals.append((self._issued, done))
+            self._stats.intervals.append((self._issued, t1))
+        self._work = None
         self._buffers = None
+        if self._pending is not None:
+            self._pending.pop(id(self), None)
+            self._pending = None
 
 
 class Communicator:
@@ -172,9 +201,9 @@ class Communicator:
         issued = time.perf_counter()
         if self.size == 1:  # a one-rank group: the local copy is the whole collective
             fn(None)
-            return Handle(None, stats, issued, *buffers)
+            return Handle(None, stats, issued, None, *buffers)
         work = fn(self.group)
-        handle = Handle(work, stats, issued, *buffers)
+        handle = Handle(work, stats, issued, self.stats.pending, *buffers)
         if not self.async_ops:
             handle.wait()
         return handle

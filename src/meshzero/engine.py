@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,12 +17,14 @@ from torch import nn
 from meshzero import checkpoint
 from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
+from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.topology import Topology
+from meshzero.zero.state import ZeroModelState
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,21 @@ def _counter(name: str) -> property:
     return property(lambda self: getattr(self.counters, name),
                     lambda self, value: setattr(self.counters, name, value),
                     doc=f"StepCounters.{name}")
+
+
+def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
+    """The end of an engine: wait for (``block``) or, after an error, only release the
+    collectives still in flight (a peer may never join them), then join the worker threads
+    and remove the files and hooks of ``zero``. Idempotent."""
+    if zero.closed:
+        return
+    try:
+        left = stats.finish_pending(block=block)
+    finally:
+        zero.close()
+    if left:
+        logger.warning("closed with %d collective(s) still in flight (a rank failed or a "
+                       "collective was never matched); they were not waited on", left)
 
 
 class Engine(nn.Module):
@@ -91,6 +109,9 @@ class Engine(nn.Module):
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
+        # close(), `with engine:`, or this hook (when the engine is collected, or from
+        # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
+        self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)
 
     # the step counters live in one StepCounters, which checkpoints save and restore
     global_steps = _counter("global_steps")
@@ -281,8 +302,20 @@ class Engine(nn.Module):
             return self.zero.full_state_dict()
 
     def close(self) -> None:
-        """Stop offload threads and remove this rank's NVMe files (also done at exit)."""
-        self.zero.close()
+        """Wait for every collective still in flight, join the offload threads and remove
+        this rank's NVMe files; the engine cannot train afterwards. Call it on every rank
+        (it may wait on collectives), or use ``with engine:``. Optional: what it releases is
+        released at exit too (docs/lifecycle.md). Idempotent."""
+        self._finalizer.detach()
+        release(self.comm_stats, self.zero, block=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # on an error a peer may never join a collective in flight: release, do not wait
+        self._finalizer.detach()
+        release(self.comm_stats, self.zero, block=exc_type is None)
 
     # -- checkpoints (the checkpoint package sees a TrainingState, not the engine) ------------
     def training_state(self) -> TrainingState:

@@ -31,6 +31,13 @@ def init_distributed(backend: str | None = None) -> None:
     """
     if dist.is_initialized():
         return
+    # torch.optim's first optimizer imports torch._dynamo, whose import keeps references to
+    # the objects torch.distributed holds at that moment; imported after the process group
+    # exists, it pins the WORLD group, so destroy_process_group() can no longer free it and
+    # gloo's worker and transport threads live on into interpreter exit (docs/lifecycle.md).
+    # Imported first, it holds nothing of ours.
+    import torch._dynamo  # noqa: F401
+
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -102,6 +102,7 @@ class ZeroModelState:
             on_unit_reduced=self.tier.on_unit_reduced, replica_comm=replica_comm,
         )
         self.optimizer: torch.optim.Optimizer | None = None
+        self.closed = False
 
     # -- the optimizer step (the tier runs it) -----------------------------------------------
     @property
@@ -142,7 +143,22 @@ class ZeroModelState:
         self.reducer.reduce_param_grads()
 
     def close(self) -> None:
+        """Join the tier's worker threads (unit stepper, NVMe I/O) and remove its files;
+        no training afterwards."""
+        self.closed = True
         self.tier.close()
+        # the parameters' hooks hold the reducer and sharder (and through them the process
+        # groups) in a cycle the garbage collector cannot see through; removed, the state is
+        # freed with the engine
+        self.reducer.remove_hooks()
+        if self.sharder is not None:
+            self.sharder.remove_hooks()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine was closed (engine.close() or the end of "
+                               "`with engine:`); build a new one with meshzero.initialize "
+                               "to train again")
 
     def _on_unit_ready(self, unit: int) -> None:
         """All grads of ``unit`` are in: at stage 3 its full params can go (unless frozen
@@ -152,12 +168,14 @@ class ZeroModelState:
 
     # -- step hooks used by the engine -----------------------------------------------------------
     def start_forward(self) -> None:
+        self._check_open()
         if self.sharder is not None:
             self.sharder.start_forward()
 
     def start_backward(self, boundary: bool, step_scale: float | None = None) -> None:
         """``step_scale``: nothing global is needed before the step, so on the boundary the
         tier may step each unit as soon as its gradient is reduced, times ``step_scale``."""
+        self._check_open()
         self.tier.start_backward(boundary, step_scale)
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
