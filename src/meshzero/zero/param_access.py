@@ -51,6 +51,13 @@ def _reads_data(func) -> bool:
     return name not in _METADATA
 
 
+def _gather(param: nn.Parameter) -> None:
+    owner = _OWNERS.get(id(param))
+    on_use = owner[1]() if owner is not None and owner[0]() is param else None
+    if on_use is not None:
+        on_use(param)
+
+
 class ShardedParameter(nn.Parameter):
     """An ``nn.Parameter`` whose storage may be released; any data use gathers it first."""
 
@@ -58,12 +65,13 @@ class ShardedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _reads_data(func):
-            for leaf in tree_flatten((args, kwargs))[0]:
-                if type(leaf) is cls:
-                    owner = _OWNERS.get(id(leaf))
-                    on_use = owner[1]() if owner is not None and owner[0]() is leaf else None
-                    if on_use is not None:
-                        on_use(leaf)
+            for arg in (*args, *kwargs.values()):
+                if type(arg) is cls:
+                    _gather(arg)
+                elif isinstance(arg, list | tuple):  # torch.cat([w, v]), torch.stack(...)
+                    for item in arg:
+                        if type(item) is cls:
+                            _gather(item)
         # run the op on plain tensors, as nn.Parameter itself does
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -72,7 +80,7 @@ class ShardedParameter(nn.Parameter):
 def mark_sharded(param: nn.Parameter, on_use: Callable[[nn.Parameter], None]) -> None:
     """Make ``param`` gather itself through ``on_use(param)`` (a bound method, held weakly)
     before its data is read."""
-    if type(param) is not nn.Parameter:
+    if type(param) not in (nn.Parameter, ShardedParameter):  # the latter: a second engine
         raise ValueError(f"stage 3 shards only plain nn.Parameter objects, got "
                          f"{type(param).__name__} (shape {tuple(param.shape)})")
     _OWNERS[id(param)] = (weakref.ref(param), weakref.WeakMethod(on_use))
