@@ -180,8 +180,11 @@ class NamedTupleOut(Stack):
 
 
 class DetachBlock(Lin):
-    def forward(self, x):  # the weight also used without its gradient
-        return torch.tanh(self.fc(x)) + 0.1 * x @ self.fc.weight.detach().t()
+    def forward(self, x):
+        # the weight also used without its gradient, first: that use's backward runs after
+        # the weight's gradient is in (and the unit would have been released)
+        side = 0.1 * x @ self.fc.weight.detach().t()
+        return side + torch.tanh(self.fc(x))
 
 
 class RankBranch(Stack):

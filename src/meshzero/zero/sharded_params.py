@@ -217,6 +217,12 @@ class ParameterSharder:
             self.wait_parameters(unit)
         self.sticky.add(unit)
 
+    def _regather(self, unit: int) -> None:
+        """Backward unpacks a saved view of ``unit``: gather it if it was released (then it
+        stays until the end of backward, its gradients being in already)."""
+        if not self.gathered[unit] or unit in self.pending:
+            self.wait_parameters(unit)
+
     def _use_parameter(self, param) -> None:
         unit = self._unit_of_param[id(param)]
         if not self.gathered[unit] or unit in self.pending:
@@ -234,7 +240,7 @@ class ParameterSharder:
 
     def saved_tensor_hooks(self) -> SavedParameterHooks:
         """Around forward: saved views of a gathered unit regather it when backward needs it."""
-        return SavedParameterHooks(self._unit_of_storage.get, self.ensure_gathered)
+        return SavedParameterHooks(self._unit_of_storage.get, self._regather)
 
     def _live_numel(self) -> int:
         return sum(self.numel[u] for u in range(len(self.units))
