@@ -505,20 +505,3 @@ PATTERNS: list[Pattern] = [
     Pattern("hf_gpt2_model_output", tiny_gpt2, loss=_tokens, tokens=True),
 ]
 BY_NAME = {p.name: p for p in PATTERNS}
-
-
-def make_data(pattern: Pattern, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    if pattern.tokens:
-        data = []
-        for _ in range(steps):
-            tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
-            data.append((tokens, (5 * tokens + 1) % VOCAB))
-        return data
-    return [(torch.randn(GLOBAL_BATCH, DIM, generator=gen),
-             torch.randn(GLOBAL_BATCH, OUT, generator=gen)) for _ in range(steps)]
-
-
-def build(pattern: Pattern) -> nn.Module:
-    torch.manual_seed(0)
-    return pattern.build()
