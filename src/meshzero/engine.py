@@ -194,12 +194,6 @@ class Engine(nn.Module):
         if (self.overlap_offload_step and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled):
             step_scale = 1.0 / self.dp_comm.size  # nothing global to wait for: step per unit
-            if self.is_gradient_accumulation_boundary() and self.zero.has_reduced_gradients():
-                raise ValueError(
-                    "a second engine.backward() on the accumulation boundary before "
-                    "engine.step(): with offload_optimizer cpu each unit is stepped during the "
-                    "boundary backward, so its gradients are final then; call backward once "
-                    "per micro-step, or set engine.overlap_offload_step = False")
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
