@@ -49,6 +49,8 @@ PRELOAD_MODULES = (
     "tests.distributed",
     "tests.models",
     "tests.engine_runs",
+    # the Hugging Face models of the HF, tp and pattern tests: 9 s of CPU per rank otherwise
+    "transformers.models.gpt2.modeling_gpt2",
 )
 _CTX = multiprocessing.get_context("forkserver")
 _call_ids = itertools.count()

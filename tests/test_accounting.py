@@ -131,6 +131,8 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
     else:
         want = {"reduce_scatter": (units, _ring(padded, world_size)),
                 "all_gather": (2 * units, 2 * _ring(padded, world_size))}
+        if world_size > 1:  # each all-gather is preceded by the 8-byte unit-order check
+            want["order_check"] = (2 * units, 2 * units * _ring(8 * world_size, world_size))
     for r in results:
         got = {op: (v["count"], v["bytes"]) for op, v in r.comm.items()}
         assert got == want

@@ -208,8 +208,10 @@ class Communicator:
             handle.wait()
         return handle
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Handle:
-        """``output`` (N*S,) <- concat of every rank's ``shard`` (S,)."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor,
+                   op: str = "all_gather") -> Handle:
+        """``output`` (N*S,) <- concat of every rank's ``shard`` (S,); counted under ``op``
+        (stage 3's unit-order check is counted apart from the parameter all-gathers)."""
         nbytes = ring_bytes("all_gather", _size(output), self.size)
 
         def run(group):
@@ -218,7 +220,7 @@ class Communicator:
                 return None
             return _all_gather(output, shard, group=group, async_op=True)
 
-        return self._launch("all_gather", nbytes, run, output, shard)
+        return self._launch(op, nbytes, run, output, shard)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> Handle:
         """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,))."""
@@ -260,7 +262,9 @@ def broadcast_module(module: nn.Module, comm: Communicator, src: int) -> None:
         return
     tensors = list(module.parameters()) + list(module.buffers())
     with torch.no_grad():
-        for dtype in {t.dtype for t in tensors}:
+        # a fixed order on every rank: a set's order differs between processes, and rank 0
+        # broadcasting fp32 while rank 1 expects int64 aborts gloo (or mixes equal sizes)
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
             same = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in same])
             comm.broadcast(flat, src).wait()

@@ -19,7 +19,7 @@ from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
-from meshzero.log import setup_logging
+from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
@@ -201,8 +201,8 @@ class Engine(nn.Module):
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
                 kwargs, self.compute_dtype)
-        self.zero.start_forward()
-        out = self.module(*args, **kwargs)
+        with self.zero.start_forward():
+            out = self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
@@ -229,6 +229,11 @@ class Engine(nn.Module):
         """Optimizer step at the accumulation boundary (a counted no-op otherwise)."""
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
+            return
+        if not self.zero.has_reduced_gradients():
+            # all gradients are zero: AdamW would still apply weight decay and its momentum
+            warn_once(logger, "engine.step() with no engine.backward() since the last step "
+                      "is skipped (no optimizer step, no scheduler step, no count)")
             return
         t0 = time.perf_counter()
         self.comm_stats.phase = "step"
@@ -262,6 +267,7 @@ class Engine(nn.Module):
             self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.zero.zero_grads()
+        self.zero.after_step()
         self.global_steps += 1
         self.micro_steps += 1
         self._times["step"] += time.perf_counter() - t0
@@ -282,6 +288,14 @@ class Engine(nn.Module):
                 logger.info("step %d time (s) forward %.4f backward %.4f step %.4f",
                             self.global_steps, *self._times.values())
         self._times = dict.fromkeys(self._times, 0.0)
+
+    def gathered(self, params: Iterable[torch.Tensor]):
+        """``with engine.gathered(params):`` the full values of ``params`` inside the block at
+        stage 3 (a no-op at stages 0-2), like DeepSpeed's ``GatheredParameters``: a
+        collective, enter it on every rank. Read-only: writes inside it are not kept. Any use
+        of a parameter gathers it anyway; this makes the gather explicit and, with grad mode
+        off, releases it on exit."""
+        return self.zero.gathered(params)
 
     # -- reports ---------------------------------------------------------------------------------
     def memory_report(self) -> dict:

@@ -47,7 +47,9 @@ def _fragment_groups(
     for group in groups:
         params = []
         for p in group["params"]:
-            if p not in fragments:  # frozen, or not a parameter of the model
+            if not p.requires_grad:  # frozen: dropped, as DeepSpeed does
+                continue
+            if p not in fragments:  # not a parameter of the model
                 raise ValueError(
                     "model_parameters/optimizer holds a tensor that is not a trainable "
                     f"parameter of the model (shape {tuple(p.shape)})"

@@ -54,6 +54,8 @@ class GradientReducer:
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
         self._reduce_now = False
+        self._set_aside: list[tuple[FlatGroup, torch.Tensor]] = []
+        self._add_to_reduced: set[int] = set()
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(u, g, i))
@@ -85,6 +87,27 @@ class GradientReducer:
     def begin_backward(self, boundary: bool) -> None:
         """Stages 0-1 reduce only on the accumulation boundary; stages 2-3 every micro-step."""
         self._reduce_now = boundary or self.stage >= 2
+        if self._reduce_now and self.stage <= 1 and not self.grads_are_zero:
+            self._set_aside_reduced()
+
+    def _set_aside_reduced(self) -> None:
+        """A second backward on the boundary (two ``backward`` calls before one ``step``):
+        stages 0-1 reduce ``grad_full`` itself, which now holds the already reduced sum (or,
+        at stage 1, its own shard of it). Reducing it again would count it N times: keep the
+        reduced part aside, reduce only the new gradients, and add them up after."""
+        with torch.no_grad():
+            for groups in self.units:
+                for g in groups:
+                    if not g.trainable:
+                        continue
+                    grad_in_full = g.grad is not None and (
+                        g.grad.untyped_storage().data_ptr()
+                        == g.grad_full.untyped_storage().data_ptr())
+                    if grad_in_full:
+                        self._set_aside.append((g, g.grad.clone()))
+                    else:  # a separate (offloaded) gradient: the new sum is added to it
+                        self._add_to_reduced.add(id(g))
+                    g.grad_full.zero_()
 
     def _unit_ready(self, unit: int) -> None:
         self.ready[unit] = True
@@ -118,6 +141,11 @@ class GradientReducer:
                 self._launch(u)
             self.grads_are_zero = False
         self.drain()
+        with torch.no_grad():
+            for g, reduced in self._set_aside:
+                g.grad.add_(reduced)
+        self._set_aside.clear()
+        self._add_to_reduced.clear()
         self._reset()
 
     def drain(self) -> None:
@@ -156,7 +184,8 @@ class GradientReducer:
                   and send.dtype == group.grad.dtype and send.device == group.grad.device)
         out = group.grad if direct else torch.empty_like(send[: group.layout.shard_numel])
         handle = self.comm.reduce_scatter(out, send)
-        accumulate = self.stage >= 2 and not self.grads_are_zero
+        accumulate = (self.stage >= 2 and not self.grads_are_zero) or \
+            id(group) in self._add_to_reduced
 
         def finish() -> None:
             if self.replica_comm is not None:

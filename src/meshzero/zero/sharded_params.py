@@ -12,6 +12,12 @@ Orders are recorded during the first step and are the same on every rank, so pre
 all-gathers are issued in the same order everywhere. Releasing frees the storage of the
 unit's full flat buffer; the parameter tensors (views of it) stay the same objects, so
 tensors saved by autograd are refilled by the next gather.
+
+Uses outside these hooks (zero/param_access.py) gather a unit on demand and make it *sticky*:
+kept until the end of backward or the next step. So is a unit whose output views its own
+parameters (a block returning its bias). A unit running inside itself (recursion) is released
+only when its outermost call returns. Before every all-gather the ranks exchange the unit
+index, so ranks that run different units (rank-dependent control flow) fail naming both.
 """
 
 from __future__ import annotations
@@ -22,17 +28,17 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+from meshzero.zero.param_access import (
+    SavedParameterHooks,
+    forget_dead,
+    mark_sharded,
+    output_tensors,
+    unmark_sharded,
+)
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) tuple/list/dict output."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, tuple | list):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
+class GatherOrderError(RuntimeError):
+    """Stage 3: the ranks gathered different units at the same point of the step."""
 
 
 class GatheredMemory:
@@ -66,13 +72,14 @@ class ParameterSharder:
         max_reuse_distance: int,
         shard_source=None,
         secondary_comm: Communicator | None = None,
+        unit_names: list[str] | None = None,
     ):
         """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
         returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
         reading it (None: the shard is ``group.shard``, on the device or in host memory).
         ``secondary_comm`` (ZeRO++ hpZ): after forward each rank keeps 1/k of the unit, k the
         size of this group, and backward all-gathers over it (inside a node) instead of over
-        every data-parallel rank."""
+        every data-parallel rank. ``unit_names``: module paths, for error messages."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
@@ -92,6 +99,17 @@ class ParameterSharder:
         self.in_backward = False
         self.fwd_pos = 0
         self.bwd_pos = 0
+        self.unit_names = unit_names or [str(u) for u in range(len(self.units))]
+        self.depth = [0] * len(self.units)  # calls of each unit in progress (recursion)
+        self.sticky: set[int] = set()  # gathered until the end of backward or the step
+        self._unit_of_storage: dict[int, int] = {}  # data_ptr of a gathered full -> unit
+        self._unit_of_param = {id(p): u for u, gs in enumerate(self.units)
+                               for g in gs for p in g.params}
+        forget_dead()
+        for gs in self.units:
+            for g in gs:
+                for p in g.params:
+                    mark_sharded(p, self._use_parameter)
         self._handles = []
         for u, module in enumerate(modules):
             if self.numel[u] == 0:
@@ -106,8 +124,10 @@ class ParameterSharder:
             return
         handles = []
         secondary = self.secondary.pop(unit, None)
+        self._check_order(unit, self.comm if secondary is None else self.secondary_comm)
         for i, g in enumerate(self.units[unit]):
             alloc_storage(g.full)
+            self._unit_of_storage[g.full.untyped_storage().data_ptr()] = unit
             self.memory.add(g.full_nbytes)
             if secondary is not None:  # hpZ: from the secondary shards, inside the node
                 self.memory.add(-secondary[i].numel() * secondary[i].element_size())
@@ -115,6 +135,26 @@ class ParameterSharder:
             else:
                 handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
+
+    def _check_order(self, unit: int, comm: Communicator) -> None:
+        """Every rank must be gathering the same unit now. Checked before the data moves:
+        gloo aborts the process on an all-gather whose sizes differ between ranks, and equal
+        sizes would silently mix two units' weights."""
+        if comm.size == 1:
+            return
+        every = torch.empty(comm.size, dtype=torch.int64, device=self.device)
+        mine = torch.full((1,), unit, dtype=torch.int64, device=self.device)
+        comm.all_gather(every, mine, op="order_check").wait()
+        units = every.tolist()
+        other = next((r for r, u in enumerate(units) if u != unit), None)
+        if other is not None:
+            raise GatherOrderError(
+                f"stage 3: rank {comm.rank} is gathering unit {unit} "
+                f"({self.unit_names[unit]!r}) while rank {other} is gathering unit "
+                f"{units[other]} ({self.unit_names[units[other]]!r}); every rank must run the "
+                "same units in the same order (rank-dependent control flow, e.g. skipping an "
+                "expert that got no tokens, or a parameter used on one rank only). Run every "
+                "module on every rank (an expert on an empty batch is fine), or use stage 0-2")
 
     def _keep_secondary(self, unit: int) -> None:
         """hpZ, after forward: keep this rank's 1/k of the gathered unit for backward."""
@@ -150,19 +190,57 @@ class ParameterSharder:
             h.wait()
         self.gathered[unit] = True
 
-    def release_parameters(self, unit: int) -> None:
+    def release_parameters(self, unit: int, force: bool = False) -> None:
+        """Free ``unit``'s full buffers, unless it is still in use (running, or sticky)."""
+        if not force and (unit in self.sticky or self.depth[unit] > 0):
+            return
         if unit in self.pending:
             self.wait_parameters(unit)
         if not self.gathered[unit]:
             return
         for g in self.units[unit]:
+            self._unit_of_storage.pop(g.full.untyped_storage().data_ptr(), None)
             free_storage(g.full)
             self.memory.add(-g.full_nbytes)
         self.gathered[unit] = False
 
     def release_all(self) -> None:
+        """Free every unit (end of backward, after the step: shards may have changed)."""
+        self.sticky.clear()
         for u in range(len(self.units)):
-            self.release_parameters(u)
+            self.release_parameters(u, force=True)
+
+    def ensure_gathered(self, unit: int) -> None:
+        """A use outside the unit's own hooks: gather it now and keep it until the end of
+        backward or the next step (autograd may hold views of it until then)."""
+        if not self.gathered[unit] or unit in self.pending:
+            self.wait_parameters(unit)
+        self.sticky.add(unit)
+
+    def _regather(self, unit: int) -> None:
+        """Backward unpacks a saved view of ``unit``: gather it if it was released (then it
+        stays until the end of backward, its gradients being in already)."""
+        if not self.gathered[unit] or unit in self.pending:
+            self.wait_parameters(unit)
+
+    def _use_parameter(self, param) -> None:
+        unit = self._unit_of_param[id(param)]
+        if not self.gathered[unit] or unit in self.pending:
+            self.ensure_gathered(unit)
+
+    def gather_for(self, params) -> list[int]:
+        """``engine.gathered(params)``: gather the units of ``params``; returns the units
+        that were not gathered before (to release on exit)."""
+        units = sorted({self._unit_of_param[id(p)] for p in params
+                        if id(p) in self._unit_of_param})
+        fresh = [u for u in units if not self.gathered[u] and u not in self.sticky]
+        for u in units:
+            self.ensure_gathered(u)
+        return fresh
+
+    def saved_tensor_hooks(self) -> SavedParameterHooks:
+        """Around forward: saved views of a gathered unit regather it when backward needs it."""
+        return SavedParameterHooks(self._unit_of_storage.get, self._regather)
 
     def _live_numel(self) -> int:
         return sum(self.numel[u] for u in range(len(self.units))
@@ -195,6 +273,7 @@ class ParameterSharder:
                 self.fwd_order.append(unit)
             self._read_ahead(self.fwd_order, self.fwd_pos)
             self.wait_parameters(unit)
+            self.depth[unit] += 1
             if not self.recording:
                 self._prefetch(self.fwd_order, self.fwd_pos)
             self.fwd_pos += 1
@@ -216,19 +295,28 @@ class ParameterSharder:
         def post_forward(module, args, output):
             if self.in_backward:  # recompute inside this unit's backward: keep it gathered
                 return None
-            if not self._reused_soon(unit):
+            self.depth[unit] -= 1
+            tensors = output_tensors(output)
+            if self._views_unit(unit, tensors):
+                self.sticky.add(unit)  # the caller computes with this unit's own storage
+            if not self._reused_soon(unit) and self.depth[unit] == 0 \
+                    and unit not in self.sticky:
                 if self.secondary_comm is not None and torch.is_grad_enabled():
                     self.wait_parameters(unit)
                     self._keep_secondary(unit)
                 self.release_parameters(unit)
             if torch.is_grad_enabled():
-                needs_grad = [t for t in _tensors(output) if t.requires_grad]
+                needs_grad = [t for t in tensors if t.requires_grad]
                 if needs_grad:
                     register_multi_grad_hook(needs_grad, self._make_pre_backward(unit),
                                              mode="any")
             return None
 
         return post_forward
+
+    def _views_unit(self, unit: int, tensors: list[torch.Tensor]) -> bool:
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        return any(self._unit_of_storage.get(p) == unit for p in ptrs)
 
     def _make_pre_backward(self, unit: int):
         def pre_backward(_grad) -> None:
@@ -245,6 +333,7 @@ class ParameterSharder:
     def start_forward(self) -> None:
         """Called by the engine before every forward pass."""
         self.fwd_pos = 0
+        self.depth = [0] * len(self.units)  # a forward that raised leaves no unit running
         if self.recording:  # keep only the forward that precedes the first backward
             self.fwd_order.clear()
 
@@ -265,3 +354,7 @@ class ParameterSharder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for gs in self.units:
+            for g in gs:
+                for p in g.params:
+                    unmark_sharded(p)

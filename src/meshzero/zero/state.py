@@ -11,7 +11,7 @@ Stages compose rather than copy each other (DESIGN.md section 3):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +95,7 @@ class ZeroModelState:
                 max_live_numel=options.max_live_numel,
                 max_reuse_distance=options.max_reuse_distance,
                 shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
+                unit_names=[u.path or "<root>" for u in self.layout.units],
             )
         self.reducer = GradientReducer(
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
@@ -167,15 +168,57 @@ class ZeroModelState:
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
-    def start_forward(self) -> None:
+    def start_forward(self):
+        """Before a forward; returns the context to run it in (stage 3: tensors autograd
+        saves that view a unit's parameters gather it again if backward finds it released)."""
         self._check_open()
+        if self.sharder is None:
+            return nullcontext()
+        self.sharder.start_forward()
+        return self.sharder.saved_tensor_hooks()
+
+    @contextmanager
+    def gathered(self, params: Iterable[torch.Tensor]):
+        """Stage 3: the full values of ``params`` inside the block (a collective: enter it
+        on every rank). Units gathered for it are released on exit, unless autograd may still
+        read them (grad mode on): then at the end of the next backward or step."""
+        if self.sharder is None:
+            yield
+            return
+        fresh = self.sharder.gather_for(list(params))
+        try:
+            yield
+        finally:
+            if not torch.is_grad_enabled():
+                for u in fresh:
+                    self.sharder.sticky.discard(u)
+                    self.sharder.release_parameters(u)
+
+    def check_requires_grad(self) -> None:
+        """Flat groups and the optimizer are built from ``requires_grad`` at initialize; a
+        change after it would train a parameter that should be frozen (weight decay moves it)
+        or never train one that was unfrozen, silently. Raise naming them instead."""
+        changed = [f"{s.name} (now requires_grad={p.requires_grad})"
+                   for g in self.groups for s, p in zip(g.layout.slots, g.params, strict=True)
+                   if p.requires_grad != g.trainable]
+        if changed:
+            raise ValueError(
+                f"requires_grad changed after initialize for {len(changed)} parameter(s): "
+                f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. meshzero "
+                "builds its flat buffers and optimizer from requires_grad at initialize: set "
+                "it before meshzero.initialize, or when it must change, save a checkpoint and "
+                "build a new engine with the new setting")
+
+    def after_step(self) -> None:
+        """Stage 3: units still gathered (used after backward) hold the old values: free them."""
         if self.sharder is not None:
-            self.sharder.start_forward()
+            self.sharder.release_all()
 
     def start_backward(self, boundary: bool, step_scale: float | None = None) -> None:
         """``step_scale``: nothing global is needed before the step, so on the boundary the
         tier may step each unit as soon as its gradient is reduced, times ``step_scale``."""
         self._check_open()
+        self.check_requires_grad()
         self.tier.start_backward(boundary, step_scale)
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
@@ -185,6 +228,11 @@ class ZeroModelState:
         self.reducer.finish_backward()
         if self.sharder is not None:
             self.sharder.end_backward()
+
+    def has_reduced_gradients(self) -> bool:
+        """Whether a gradient reduction ran since the last ``zero_grads`` (a backward on the
+        accumulation boundary, or at stages 2-3 any backward)."""
+        return not self.reducer.grads_are_zero
 
     def zero_grads(self) -> None:
         self.optim_state.zero_grads()

@@ -104,6 +104,13 @@ class HostTier(Tier):
 
     # -- units stepped during backward -----------------------------------------------------------
     def start_backward(self, boundary: bool, step_scale: float | None) -> None:
+        if boundary and step_scale is not None and self._step_scale is not None:
+            # the last boundary backward stepped its units already (step() not called yet)
+            raise ValueError(
+                "a second engine.backward() on the accumulation boundary before "
+                "engine.step(): with offload_optimizer cpu each unit is stepped during the "
+                "boundary backward, so its gradients are final then; call backward once per "
+                "micro-step, or set engine.overlap_offload_step = False")
         self._step_scale = step_scale if boundary else None
 
     def on_unit_reduced(self, unit: int) -> None:
