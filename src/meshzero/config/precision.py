@@ -1,6 +1,6 @@
-"""`fp16` and `bf16`: the compute dtype and fp16's loss scaling."""
+"""`fp16` and `bf16`: the compute dtype and fp16's loss scaling; `data_types`."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -16,7 +16,17 @@ class FP16Config(Section):
     loss_scale_window: PosInt = 1000
     hysteresis: PosInt = 2
     min_loss_scale: PosFloat = 1.0
+    consecutive_hysteresis: Bool = False
+    # DeepSpeed's auto_cast casts floating inputs to fp16; meshzero always casts them to the
+    # compute dtype, which is what a model with fp16 parameters needs either way
+    auto_cast: Bool = False
 
 
 class BF16Config(Section):
     enabled: Bool = False
+
+
+class DataTypesConfig(Section):
+    """`data_types`: grad_accum_dtype fp32 is what meshzero does (fp32 gradient shards)."""
+
+    grad_accum_dtype: Literal["fp32"] | None = None
