@@ -337,11 +337,6 @@ REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
         {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
             "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},
          "fp16": {"enabled": T}}, ("optimizer.type",)),
-    "LLaMA-Factory examples/deepspeed/ds_z2_autotp_config.json": (
-        {"_comment": "supported model list: https://www.deepspeed.ai/tutorials/automatic-"
-                     "tensor-parallelism/#supported-models", **LF_TOP,
-         "zero_optimization": {"stage": 2, **LF_Z012}, "tensor_parallel": {"autotp_size": 2}},
-        ("tensor_parallel.autotp_size",)),
     "Megatron-DeepSpeed data_efficiency bert template (curriculum + random-ltd on)": (
         {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
          "zero_optimization": {"stage": 1, "allgather_bucket_size": "auto"},
@@ -352,3 +347,10 @@ REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
         # allgather_bucket_size "auto" is not one Hugging Face resolves either
         ("data_efficiency", "zero_optimization.allgather_bucket_size")),
 }
+
+# AutoTP: loads (tp 2 over the plan inferred for the model); at world size 1 it cannot run,
+# as in DeepSpeed, and initialize says so naming tensor_parallel.size.
+AUTOTP = ("LLaMA-Factory examples/deepspeed/ds_z2_autotp_config.json", {
+    "_comment": "supported model list: https://www.deepspeed.ai/tutorials/automatic-"
+                "tensor-parallelism/#supported-models", **LF_TOP,
+    "zero_optimization": {"stage": 2, **LF_Z012}, "tensor_parallel": {"autotp_size": 2}})

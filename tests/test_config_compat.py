@@ -115,3 +115,36 @@ def test_hints_logged_once_at_initialize() -> None:
     assert len(lines) == 1
     assert "round_robin_gradients" in lines[0] and "zero_allow_untested" in lines[0]
     engine.close()
+
+
+@pytest.mark.parametrize(("key", "value", "saved"), [
+    ("stage3_gather_16bit_weights_on_model_save", False, False),
+    ("stage3_gather_fp16_weights_on_model_save", True, True),
+    ("gather_16bit_weights_on_model_save", False, False),
+    (None, None, True),  # not given: meshzero saves
+])  # fmt: skip
+def test_16bit_save_key_honoured_at_stage_3(tmp_path, key, value, saved) -> None:
+    zero: dict = {"stage": 3}
+    if key is not None:
+        zero[key] = value
+    raw = {"train_batch_size": 2, "zero_optimization": zero,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = meshzero.initialize(model=torch.nn.Linear(3, 2), config=raw)
+    out = engine.save_16bit_model(tmp_path)
+    engine.close()
+    assert (out is not None) == saved
+    assert any(tmp_path.iterdir()) == saved
+
+
+@pytest.mark.parametrize(("kind", "params", "cls"), [
+    ("Adam", {"adam_w_mode": False, "torch_adam": True}, torch.optim.Adam),
+    ("Adam", {"torch_adam": True, "bias_correction": True}, torch.optim.AdamW),
+    ("AdamW", {"adam_w_mode": False, "torch_adam": True}, torch.optim.AdamW),
+])  # fmt: skip
+def test_adam_flags_pick_torch_classes_as_deepspeed(kind, params, cls) -> None:
+    raw = {"train_batch_size": 2,
+           "optimizer": {"type": kind, "params": {"lr": 1e-3, "weight_decay": 0.1, **params}}}
+    engine, optimizer, *_ = meshzero.initialize(model=torch.nn.Linear(3, 2), config=raw)
+    engine.close()
+    assert type(optimizer) is cls
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1

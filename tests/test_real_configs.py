@@ -123,4 +123,16 @@ def test_real_config_refused_naming_every_key_in_one_read(name: str) -> None:
 
 
 def test_collection_is_large_enough() -> None:
-    assert len(LOADS) + len(REFUSED) >= 40
+    assert len(LOADS) + len(REFUSED) + 1 >= 40  # + AUTOTP
+
+
+def test_autotp_config_loads_with_the_inferred_plan() -> None:
+    from tests.real_configs import AUTOTP
+
+    name, raw = AUTOTP
+    config = meshzero.load_config(hf_fill(raw), model=tiny_gpt2())
+    assert (config.tensor_parallel.size, config.tensor_parallel.plan) == (2, "hf_gpt2")
+    with pytest.raises(ValueError, match="tensor_parallel"):  # a world of one has no tp 2
+        meshzero.initialize(model=tiny_gpt2(), config=hf_fill(raw))
+    with pytest.raises(meshzero.ConfigError, match="tensor_parallel.autotp_size"):
+        meshzero.load_config(hf_fill(raw))  # without the model there is no plan to infer

@@ -20,6 +20,7 @@ ones that would change results and that meshzero cannot honour.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,9 +246,11 @@ def _drop_hints(out: Normalized) -> None:
         out.hints.append("zero_optimization.sub_group_size = 0 (the default tile is used)")
 
 
-def normalize(raw: dict[str, Any], hidden_size: int | None = None) -> Normalized:
+def normalize(raw: dict[str, Any], hidden_size: int | None = None,
+              tp_plan: Callable[[], str | None] | None = None) -> Normalized:
     """A copy of `raw` in the schema's spellings, without hints and no-op values, with the
-    "auto" values resolved that can be (`hidden_size`: the model's, when it is known)."""
+    "auto" values resolved that can be (`hidden_size`: the model's, when it is known) and
+    AutoTP's size turned into tensor_parallel.size with the plan `tp_plan` infers."""
     out = Normalized(copy.deepcopy(raw))
     for old, (new, deprecated) in ALIASES.items():
         _rename(out, old, new, deprecated)
@@ -257,8 +260,30 @@ def normalize(raw: dict[str, Any], hidden_size: int | None = None) -> Normalized
     _resolve_auto(out, hidden_size)
     _drop_noops(out)
     _drop_hints(out)
+    if tp_plan is not None:
+        _autotp(out, tp_plan)
     out.auto = find_auto(out.raw, "")
     return out
+
+
+def _autotp(out: Normalized, tp_plan: Callable[[], str | None]) -> None:
+    """DeepSpeed's AutoTP (tensor_parallel.autotp_size > 1): tp of that size over the shipped
+    plan that matches the model, as `meshzero plan --search-mesh` infers it."""
+    tp = out.raw.get("tensor_parallel")
+    size = tp.get("autotp_size") if isinstance(tp, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 1:
+        return  # absent, a no-op value (dropped), or a wrong type the schema reports
+    plan = tp.get("plan") or tp_plan()
+    if plan is None:
+        out.problems.append(f"tensor_parallel.autotp_size = {size}: no shipped tensor-parallel "
+                            "plan matches the model; give tensor_parallel.plan")
+        return
+    if tp.get("size", size) != size:
+        out.problems.append(f"tensor_parallel.autotp_size = {size} and tensor_parallel.size = "
+                            f"{tp['size']} disagree; give one")
+        return
+    del tp["autotp_size"]
+    tp.update(size=size, plan=plan)
 
 
 # --- "auto" ---------------------------------------------------------------------------------

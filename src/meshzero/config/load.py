@@ -31,7 +31,8 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
         raise ConfigError(f"expected a dict, a JSON file path or a Config, got {type(config)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
-    norm = normalize(raw, hidden_size_of(model) if model is not None else None)
+    norm = normalize(raw, hidden_size_of(model) if model is not None else None,
+                     (lambda: _shipped_plan(model)) if model is not None else None)
     problems = norm.problems + [auto_message(key, model is not None) for key in norm.auto]
     drop_auto(norm.raw, norm.auto)  # the schema then reports only the other problems
     try:
@@ -44,6 +45,14 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     validated._hints = tuple(norm.hints)
     validated._deprecations = tuple(norm.deprecations)
     return validated
+
+
+def _shipped_plan(model: Any) -> str | None:
+    """The shipped tp plan whose patterns all match `model` (None for a model factory)."""
+    # imported here: the estimator reads config, so config must not import it at load time
+    from meshzero.estimate.mesh_search import inferred_tp_plan
+
+    return inferred_tp_plan(model) if hasattr(model, "named_modules") else None
 
 
 def _about_auto(line: str, auto: list[str]) -> bool:
