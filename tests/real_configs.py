@@ -3,7 +3,10 @@
 Each entry is named by its source (repository and file or function). The values are the
 projects' own; ``"auto"`` is left as they write it (the test fills it as Hugging Face's
 Trainer would, and meshzero resolves the model-derived ones). Where a file is a template
-with placeholders, the placeholders are given the values named in the comment.
+with placeholders, the placeholders are given the values named in the comment. Entries named
+"DeepSpeed docs ..." are key/value sets from DeepSpeed's documentation (config-json and the
+tutorials) put together here, not copies of one file; DeepSpeed-Chat's come from its
+get_train_ds_config / get_eval_ds_config functions.
 """
 
 from __future__ import annotations
@@ -108,9 +111,6 @@ LOADS: dict[str, dict] = {
             "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
             "stage3_gather_16bit_weights_on_model_save": T},
         **HF_BATCH, "steps_per_print": 2000, "wall_clock_breakdown": F},
-    "transformers docs main_classes/deepspeed zero2 nvme-less minimal": {
-        "zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"},
-        "train_micro_batch_size_per_gpu": "auto"},
     "accelerate deepspeed_config_templates/zero_stage1_config.json": {
         "bf16": {"enabled": T}, "optimizer": ACC_OPT, "scheduler": HF_DECAY,
         "zero_optimization": {"stage": 1, "allgather_partitions": T,
@@ -212,7 +212,7 @@ LOADS: dict[str, dict] = {
     "FastChat playground/deepspeed_config_s2.json": {
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                               "contiguous_gradients": T, "overlap_comm": T},
-        "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto"},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
     "FastChat playground/deepspeed_config_s3.json": {
         "fp16": FP16_AUTO, "zero_optimization": {
             "stage": 3, "offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU,
