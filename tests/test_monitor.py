@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import meshzero
-from meshzero.monitor import MonitorError
+from meshzero.profiling.monitor import MonitorError
 
 BATCH, STEPS = 4, 3
 

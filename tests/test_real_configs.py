@@ -130,7 +130,11 @@ def test_autotp_config_loads_with_the_inferred_plan() -> None:
     from tests.real_configs import AUTOTP
 
     name, raw = AUTOTP
-    config = meshzero.load_config(hf_fill(raw), model=tiny_gpt2())
+    from meshzero.estimate.mesh_search import inferred_tp_plan
+
+    model = tiny_gpt2()
+    config = meshzero.load_config(hf_fill(raw), model=model,
+                                  tp_plan=lambda: inferred_tp_plan(model))
     assert (config.tensor_parallel.size, config.tensor_parallel.plan) == (2, "hf_gpt2")
     with pytest.raises(ValueError, match="tensor_parallel"):  # a world of one has no tp 2
         meshzero.initialize(model=tiny_gpt2(), config=hf_fill(raw))

@@ -20,8 +20,8 @@ from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging, warn_once
-from meshzero.monitor import Monitor
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
+from meshzero.profiling.monitor import Monitor
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.topology import Topology
@@ -448,8 +448,15 @@ def initialize(
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
-    cfg = load_config(config, model=model)
+    cfg = load_config(config, model=model, tp_plan=lambda: _shipped_plan(model))
     engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                     pipeline_layout=pipeline_layout)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _shipped_plan(model: Any) -> str | None:
+    """The shipped tp plan whose patterns all match `model` (AutoTP), None for a factory."""
+    from meshzero.estimate.mesh_search import inferred_tp_plan
+
+    return inferred_tp_plan(model) if isinstance(model, nn.Module) else None

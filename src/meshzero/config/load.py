@@ -2,6 +2,7 @@
 `ConfigError` listing every problem out."""
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,14 @@ from meshzero.config.schema import Config
 
 
 def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
-                model: Any = None) -> Config:
+                model: Any = None, tp_plan: Callable[[], str | None] | None = None) -> Config:
     """Validate a ds_config given as a dict, a path to a JSON file or a `Config`.
 
     DeepSpeed's aliases, hints and no-op values are accepted (config.compat). "auto" values
     are resolved as Hugging Face's integration resolves them where the inputs are known: batch
     keys from each other, and with `model` (its config's hidden size) the bucket sizes and the
     persistence threshold; every other "auto" is refused, with every other problem, in one
-    `ConfigError`."""
+    `ConfigError`. `tp_plan` infers a tensor-parallel plan for AutoTP's autotp_size."""
     if isinstance(config, Config):
         return config
     if isinstance(config, (str, os.PathLike)):
@@ -31,8 +32,7 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
         raise ConfigError(f"expected a dict, a JSON file path or a Config, got {type(config)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
-    norm = normalize(raw, hidden_size_of(model) if model is not None else None,
-                     (lambda: _shipped_plan(model)) if model is not None else None)
+    norm = normalize(raw, hidden_size_of(model) if model is not None else None, tp_plan)
     problems = norm.problems + [auto_message(key, model is not None) for key in norm.auto]
     drop_auto(norm.raw, norm.auto)  # the schema then reports only the other problems
     try:
@@ -45,14 +45,6 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     validated._hints = tuple(norm.hints)
     validated._deprecations = tuple(norm.deprecations)
     return validated
-
-
-def _shipped_plan(model: Any) -> str | None:
-    """The shipped tp plan whose patterns all match `model` (None for a model factory)."""
-    # imported here: the estimator reads config, so config must not import it at load time
-    from meshzero.estimate.mesh_search import inferred_tp_plan
-
-    return inferred_tp_plan(model) if hasattr(model, "named_modules") else None
 
 
 def _about_auto(line: str, auto: list[str]) -> bool:
