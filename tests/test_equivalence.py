@@ -99,3 +99,25 @@ def test_fp16_overflow_skips_that_step_on_every_rank(tmp_path, stage):
         for name, t in r.params.items():  # the overflow step changed nothing
             assert torch.equal(t, c.params[name]), name
     assert steps > bad
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("stage", "division"), [
+    (0, {"prescale_gradients": True}), (2, {"prescale_gradients": True}),
+    (3, {"gradient_predivide_factor": 2.0}), (1, {"gradient_predivide_factor": 4.0}),
+])  # fmt: skip
+def test_gradients_divided_before_the_sum_give_the_same_step(tmp_path, stage, division,
+                                                              world_size):
+    """DeepSpeed's prescale_gradients / gradient_predivide_factor move where the 1/dp
+    division happens, not what the step does: the parameters equal the single-process run.
+    SGD (not Adam, which would hide a wrong gradient scale); a clipping threshold the norm
+    stays under (active clipping would hide it too), so the norm is computed but not used."""
+    sgd = {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.01}}
+    cfg = zero_config(stage, global_batch=8, grad_accum=2, gradient_clipping=100.0,
+                      optimizer=sgd, **division)
+    results = run_distributed(train, world_size, tmp_path, "mlp", cfg, STEPS)
+    ref = reference_train(lambda: build_model("mlp", 0), make_batches("mlp", STEPS, 8),
+                          optimizer="SGD", lr=0.5, momentum=0.9, weight_decay=0.01,
+                          grad_accum=2, clip=100.0)
+    for r in results:
+        _assert_params_equal(r.params, ref.params, rtol=1e-5, atol=1e-6)

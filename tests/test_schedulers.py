@@ -1,4 +1,6 @@
-"""meshzero.schedulers: lr at chosen steps against the formulas written out independently."""
+"""meshzero.schedulers: lr at chosen steps against DeepSpeed's documented algorithm written out
+independently: optimizer step s runs at schedule iteration s - 1 (iteration -1 is the value
+before the schedule starts), a warmup of w >= 1 lasts max(2, w) iterations."""
 
 import math
 
@@ -26,12 +28,10 @@ def lr_trace(scheduler: torch.optim.lr_scheduler.LRScheduler, num_steps: int) ->
 
 
 def expected_warmup(step: int, lo: float, hi: float, warmup: int, kind: str) -> float:
-    if step >= warmup:
+    it = max(step - 1, 0)
+    if it >= warmup:
         return hi
-    if kind == "linear":
-        fraction = step / warmup
-    else:
-        fraction = math.log(step + 1) / math.log(warmup) if warmup > 1 else 0.0
+    fraction = it / warmup if kind == "linear" else math.log(it + 1) / math.log(warmup)
     return lo + fraction * (hi - lo)
 
 
@@ -56,22 +56,25 @@ def test_warmup_decay_lr(lo: float, kind: str) -> None:
     )  # fmt: skip
     trace = lr_trace(scheduler, 81)
     for step in STEPS:
-        if step < 10:
+        if step - 1 < 10:
             expected = expected_warmup(step, lo, 0.5, 10, kind)
         else:
-            remaining = max(0.0, (60 - step) / 50)
+            remaining = max(0.0, (60 - (step - 1)) / 50)
             expected = lo + (0.5 - lo) * remaining
         assert trace[step] == pytest.approx([expected] * 2)
-    assert trace[10][0] == pytest.approx(0.5)
-    assert trace[35][0] == pytest.approx(lo + (0.5 - lo) * 0.5)
-    assert trace[60][0] == pytest.approx(lo) and trace[80][0] == pytest.approx(lo)
+    assert trace[11][0] == pytest.approx(0.5)
+    assert trace[36][0] == pytest.approx(lo + (0.5 - lo) * 0.5)
+    assert trace[61][0] == pytest.approx(lo) and trace[80][0] == pytest.approx(lo)
 
 
 def expected_cosine_ratio(step: int, warmup: int, total: int, wmin: float, cmin: float,
                           kind: str) -> float:  # fmt: skip
-    if step < warmup:
+    it = step - 1
+    if it < 0:
+        return 0.0  # DeepSpeed's ratio before the first iteration
+    if it < warmup:
         return expected_warmup(step, wmin, 1.0, warmup, kind)
-    progress = min(step - warmup, total - warmup) / (total - warmup)
+    progress = min(it - warmup + 1, total - warmup) / (total - warmup)
     return cmin + (1 - cmin) * (1 + math.cos(math.pi * progress)) / 2
 
 
@@ -86,8 +89,8 @@ def test_warmup_cosine_lr_scales_each_group_base_lr(kind: str) -> None:
     for step in STEPS:
         ratio = expected_cosine_ratio(step, 10, 60, 0.1, 0.01, kind)
         assert trace[step] == pytest.approx([b * ratio for b in base])
-    assert trace[0] == pytest.approx([0.02, 0.005])
-    assert trace[10] == pytest.approx(list(base))
+    assert trace[0] == pytest.approx([0.0, 0.0])  # DeepSpeed: lr 0 at step 0
+    assert trace[1] == pytest.approx([0.02, 0.005])
     assert trace[35] == pytest.approx([b * (0.01 + 0.99 * 0.5) for b in base])
     assert trace[80] == pytest.approx([b * 0.01 for b in base])
 
@@ -96,14 +99,29 @@ def test_zero_warmup_starts_at_the_peak() -> None:
     warmup = lr_trace(WarmupLR(make_optimizer(), 0.0, 0.3, warmup_num_steps=0), 3)
     assert warmup == [[0.3, 0.3]] * 3
     decay = lr_trace(WarmupDecayLR(make_optimizer(), 4, 0.0, 0.4, warmup_num_steps=0), 6)
-    assert [lrs[0] for lrs in decay] == pytest.approx([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
+    assert [lrs[0] for lrs in decay] == pytest.approx([0.4, 0.4, 0.3, 0.2, 0.1, 0.0])
     cosine = lr_trace(WarmupCosineLR(make_optimizer((0.2,)), 2, 0.0, 0, cos_min_ratio=0.0), 4)
     assert [lrs[0] for lrs in cosine] == pytest.approx([0.2, 0.1, 0.0, 0.0])
 
 
-def test_single_warmup_step_log() -> None:
-    trace = lr_trace(WarmupLR(make_optimizer(), 0.1, 0.3, warmup_num_steps=1), 3)
-    assert [lrs[0] for lrs in trace] == pytest.approx([0.1, 0.3, 0.3])
+def test_single_warmup_step_lasts_two_iterations_as_in_deepspeed() -> None:
+    trace = lr_trace(WarmupLR(make_optimizer(), 0.1, 0.3, warmup_num_steps=1), 4)
+    assert [lrs[0] for lrs in trace] == pytest.approx([0.1, 0.1, 0.3, 0.3])
+    linear = lr_trace(WarmupLR(make_optimizer(), 0.0, 0.4, 1, warmup_type="linear"), 4)
+    assert [lrs[0] for lrs in linear] == pytest.approx([0.0, 0.0, 0.2, 0.4])
+
+
+def test_deepspeed_engine_lrs_pinned() -> None:
+    """The lrs a DeepSpeed engine runs steps 0-3 at (issue 14), and the cosine schedule's
+    first steps, from DeepSpeed's algorithm: iteration -1 at construction, one step() per
+    optimizer step."""
+    warm = lr_trace(WarmupLR(make_optimizer((1e-3,)), 0.0, 1e-3, 10), 4)
+    assert [lrs[0] for lrs in warm] == pytest.approx([0.0, 0.0, 3.0103e-4, 4.7712e-4], rel=1e-4)
+    decay = lr_trace(WarmupDecayLR(make_optimizer((1e-3,)), 12, 0.0, 1e-3, 10), 14)
+    assert [lrs[0] for lrs in decay][10:] == pytest.approx([1e-3, 1e-3, 5e-4, 0.0])
+    cos = lr_trace(WarmupCosineLR(make_optimizer((1e-3,)), 12, 0.1, 10, 0.0), 14)
+    assert [lrs[0] for lrs in cos][:2] == pytest.approx([0.0, 1e-4])
+    assert [lrs[0] for lrs in cos][11:] == pytest.approx([5e-4, 0.0, 0.0])
 
 
 @pytest.mark.parametrize(
@@ -138,9 +156,11 @@ def test_build_scheduler_from_config() -> None:
     scheduler = build_scheduler(make_optimizer((0.1,)), config.scheduler)
     assert isinstance(scheduler, WarmupCosineLR)
     assert scheduler.cos_min_ratio == 0.0001 and scheduler.warmup_min_ratio == 0.0
-    trace = lr_trace(scheduler, 9)
-    assert trace[4][0] == pytest.approx(0.1 * 4 / 8)
-    assert trace[8][0] == pytest.approx(0.1)
+    trace = lr_trace(scheduler, 10)
+    assert trace[5][0] == pytest.approx(0.1 * 4 / 8)
+    # iteration 8 is already the first of the decay: (8 - 8 + 1) / 32 of the way
+    assert trace[9][0] == pytest.approx(0.1 * expected_cosine_ratio(9, 8, 40, 0.0, 0.0001,
+                                                                    "linear"))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
+from meshzero.profiling.monitor import Monitor
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.topology import Topology
@@ -80,6 +81,7 @@ class Engine(nn.Module):
         super().__init__()
         setup_logging()  # with $RANK (torchrun's) until the process group says
         self.config = config
+        Monitor.check(config)  # a missing monitor package fails before any work
         built = build(model, config, optimizer=optimizer, model_parameters=model_parameters,
                       lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                       pipeline_layout=pipeline_layout)
@@ -88,6 +90,8 @@ class Engine(nn.Module):
         self.device = built.topology.device
         self.compute_dtype = config.compute_dtype
         self.global_batch, self.micro_batch, self.grad_accum = built.batch
+        self.monitor = Monitor.from_config(config, built.topology.rank)
+        self._log_accepted(config)
         self.comm_stats = built.comms.stats
         self.dp_comm = built.comms.dp
         self.comm, self.replica_comm = built.comms.shard, built.comms.replica
@@ -107,6 +111,7 @@ class Engine(nn.Module):
         self._last_comm: dict = {}
         self._last_peak = self.zero.memory.peak
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._step_loss = 0.0  # mean loss of the step's micro-batches, for the monitors
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
@@ -117,6 +122,16 @@ class Engine(nn.Module):
     global_steps = _counter("global_steps")
     micro_steps = _counter("micro_steps")
     skipped_steps = _counter("skipped_steps")
+
+    @staticmethod
+    def _log_accepted(config: Config) -> None:
+        """One INFO line for the DeepSpeed hints the config holds, one for deprecations (the
+        log's rank filter keeps them to rank 0)."""
+        if config.hints:
+            logger.info("accepted DeepSpeed keys that change nothing here: %s",
+                        "; ".join(config.hints))
+        if config.deprecations:
+            logger.info("deprecated DeepSpeed spellings: %s", "; ".join(config.deprecations))
 
     # -- DeepSpeed-style accessors ---------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -215,10 +230,13 @@ class Engine(nn.Module):
         step_scale = None
         if (self.overlap_offload_step and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled):
-            step_scale = 1.0 / self.dp_comm.size  # nothing global to wait for: step per unit
+            # nothing global to wait for: step per unit
+            step_scale = self.zero.options.grad_predivide / self.dp_comm.size
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
+        if self.monitor is not None:
+            self._step_loss += loss.detach().float().item() / self.grad_accum
         if self._profiler is not None:
             self._profiler.counter.end_backward()
         self.zero.finish_backward()
@@ -253,7 +271,8 @@ class Engine(nn.Module):
             logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
                         self.global_steps, self.loss_scaler.scale)
         else:
-            inv = 1.0 / (self.dp_comm.size * self.loss_scaler.scale)
+            # gradients were divided by grad_predivide before the sum: the rest of 1 / dp here
+            inv = self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
             coef = 1.0
             if clip > 0:
                 norm = math.sqrt(sq_norm) * inv
@@ -271,6 +290,12 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.micro_steps += 1
         self._times["step"] += time.perf_counter() - t0
+        if self.monitor is not None:
+            self.monitor.write_step(
+                samples=self.global_steps * self.global_batch, loss=self._step_loss,
+                lr=self.get_lr()[0], loss_scale=self.loss_scaler.scale,
+                skipped_steps=self.skipped_steps, step_time=sum(self._times.values()))
+            self._step_loss = 0.0
         self._close_window()
 
     def _close_window(self) -> None:
@@ -322,6 +347,8 @@ class Engine(nn.Module):
         released at exit too (docs/lifecycle.md). Idempotent."""
         self._finalizer.detach()
         release(self.comm_stats, self.zero, block=True)
+        if self.monitor is not None:
+            self.monitor.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -330,6 +357,8 @@ class Engine(nn.Module):
         # on an error a peer may never join a collective in flight: release, do not wait
         self._finalizer.detach()
         release(self.comm_stats, self.zero, block=exc_type is None)
+        if self.monitor is not None:
+            self.monitor.close()
 
     # -- checkpoints (the checkpoint package sees a TrainingState, not the engine) ------------
     def training_state(self) -> TrainingState:
@@ -361,7 +390,15 @@ class Engine(nn.Module):
     def save_16bit_model(self, save_dir: str | os.PathLike,
                          save_filename: str = "model.safetensors") -> str | None:
         """The full model in the compute dtype as safetensors; collective (one file per
-        pipeline stage, with an index, when pp > 1)."""
+        pipeline stage, with an index, when pp > 1). At stage 3 with
+        ``stage3_gather_16bit_weights_on_model_save`` false it saves nothing and returns None,
+        as DeepSpeed does."""
+        if self.zero_stage == 3 and \
+                self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save is False:
+            logger.warning("save_16bit_model saved nothing: zero_optimization."
+                           "stage3_gather_16bit_weights_on_model_save is false; save a "
+                           "checkpoint, or set it true")
+            return None
         with self.zero.materialized():
             return checkpoint.save_16bit_model(self.training_state(), save_dir, save_filename)
 
@@ -411,8 +448,15 @@ def initialize(
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
-    cfg = load_config(config)
+    cfg = load_config(config, model=model, tp_plan=lambda: _shipped_plan(model))
     engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                     pipeline_layout=pipeline_layout)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _shipped_plan(model: Any) -> str | None:
+    """The shipped tp plan whose patterns all match `model` (AutoTP), None for a factory."""
+    from meshzero.estimate.mesh_search import inferred_tp_plan
+
+    return inferred_tp_plan(model) if isinstance(model, nn.Module) else None

@@ -80,9 +80,15 @@ def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> boo
 
 def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     params = dict(cfg.validated_params())
+    # torch_adam (always torch.optim here) and bias_correction (only true is accepted: torch's
+    # Adam always corrects) ask for nothing more; adam_w_mode picks the class.
+    params.pop("torch_adam", None)
+    params.pop("bias_correction", None)
+    adam_w_mode = params.pop("adam_w_mode", True)
     if cfg.type == "Adam":
-        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
-        cls = torch.optim.AdamW if params.pop("adam_w_mode") else torch.optim.Adam
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false;
+        # its "AdamW" decouples whatever adam_w_mode says.
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     else:
         cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[cfg.type]
     if "betas" in params:

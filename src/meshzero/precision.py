@@ -1,13 +1,19 @@
-"""Loss scaling for fp16 training (bf16 and fp32 need none).
+"""Loss scaling for fp16 training (bf16 and fp32 need none), as DeepSpeed's dynamic scaler.
 
 Dynamic scaling: the loss is multiplied by ``scale`` before backward; a step whose gradients
-hold inf/nan on any rank is skipped on every rank and, after ``hysteresis`` such steps, the
-scale is halved (not below ``min_scale``); after ``window`` clean steps in a row it doubles.
+hold inf/nan on any rank is skipped on every rank. ``hysteresis`` is how many overflows the
+scale tolerates: each overflow uses up one, and the overflow that finds only one left halves
+the scale (not below ``min_scale``), and so does every overflow after it, until the
+hysteresis is restored. It is restored, and the scale doubled, after ``window`` clean steps
+in a row (with ``consecutive_hysteresis``, after every clean step; the scale still doubles
+only at the window). So from 2**16 with hysteresis 2, eight overflows in a row give
+65536, 32768, 16384, ..., 512, as DeepSpeed's loss_scaler does.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -17,11 +23,12 @@ class LossScaler:
     window: int = 1000
     hysteresis: int = 2
     min_scale: float = 1.0
-    good_steps: int = 0
+    good_steps: int = 0  # clean steps since the last overflow
     hysteresis_left: int = 2
+    consecutive_hysteresis: bool = False
 
     @classmethod
-    def from_config(cls, fp16) -> LossScaler:
+    def from_config(cls, fp16: Any) -> LossScaler:
         """From the config's ``fp16`` block (``loss_scale`` 0 means dynamic)."""
         if not fp16.enabled:
             return cls()
@@ -34,6 +41,7 @@ class LossScaler:
             hysteresis=fp16.hysteresis,
             min_scale=float(fp16.min_loss_scale),
             hysteresis_left=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
         )
 
     def update(self, overflow: bool) -> None:
@@ -42,12 +50,14 @@ class LossScaler:
             return
         if overflow:
             self.good_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
+            if self.hysteresis_left <= 1:
                 self.scale = max(self.scale / 2, self.min_scale)
-                self.hysteresis_left = self.hysteresis
+            else:
+                self.hysteresis_left -= 1
             return
         self.good_steps += 1
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
         if self.good_steps % self.window == 0:
             self.scale *= 2
             self.hysteresis_left = self.hysteresis

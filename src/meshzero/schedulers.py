@@ -1,9 +1,15 @@
 """DeepSpeed's warmup learning-rate schedules as torch LRSchedulers.
 
-Step counting follows torch: `last_epoch` is the number of optimizer steps taken, so the lr set
-when the scheduler is built is the lr of step 0, and each `scheduler.step()` after
-`optimizer.step()` moves to the next step. Every param group gets the schedule; state_dict and
-load_state_dict come from `LRScheduler`.
+The lr of each step is the one a DeepSpeed engine uses: DeepSpeed builds the scheduler at
+iteration -1 (its value before the schedule starts: warmup_min_lr, or a ratio of 0 for
+WarmupCosineLR) and steps it after each optimizer step, so optimizer step s runs at the
+schedule's iteration s - 1 and steps 0 and 1 both run at the warmup's start (with 10 log-warmup
+steps from 0 to 1e-3: 0, 0, 3.01e-4, 4.77e-4, ...). A warmup of w >= 1 steps lasts max(2, w)
+iterations, as in DeepSpeed; w = 0 (which DeepSpeed refuses) means no warmup at all.
+
+`last_epoch` is torch's count of optimizer steps taken (skipped fp16 steps do not count, as in
+DeepSpeed). Every param group gets the schedule; state_dict and load_state_dict come from
+`LRScheduler`.
 """
 
 import math
@@ -16,19 +22,30 @@ from meshzero.config import SchedulerConfig
 WARMUP_TYPES = ("log", "linear")
 
 
-def warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """Fraction of the warmup done at `step`: 0 at step 0, 1 from `warmup_num_steps` on.
+def effective_warmup(warmup_num_steps: int) -> int:
+    """DeepSpeed warms up over at least 2 iterations; 0 stays "no warmup"."""
+    return 0 if warmup_num_steps == 0 else max(2, warmup_num_steps)
 
-    "log" gives log(step + 1) / log(warmup_num_steps) (it reaches 1 one step early, at
-    warmup_num_steps - 1, as DeepSpeed's does); "linear" gives step / warmup_num_steps.
+
+def warmup_gamma(it: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """Fraction of the warmup done at schedule iteration `it` (>= 0): 0 at iteration 0, 1 from
+    the end of the warmup on.
+
+    With w = effective_warmup(warmup_num_steps): "log" gives log(it + 1) / log(w) (it reaches
+    1 one iteration early, at w - 1, as DeepSpeed's does); "linear" gives it / w.
     """
-    if step >= warmup_num_steps:
-        return 1.0  # also covers warmup_num_steps == 0: no warmup at all
+    w = effective_warmup(warmup_num_steps)
+    if it >= w:
+        return 1.0  # also covers w == 0: no warmup at all
     if warmup_type == "linear":
-        return step / warmup_num_steps
-    if warmup_num_steps == 1:
-        return 0.0  # log(1) == 0; the only warmup step is step 0
-    return math.log(step + 1) / math.log(warmup_num_steps)
+        return it / w
+    return math.log(it + 1) / math.log(w)
+
+
+def schedule_iteration(optimizer_steps: int) -> int:
+    """The DeepSpeed schedule iteration that optimizer step `optimizer_steps` runs at (-1 for
+    step 0: the scheduler's value before its first step)."""
+    return optimizer_steps - 1
 
 
 def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
@@ -65,23 +82,22 @@ class WarmupLR(LRScheduler):
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
-    def gamma(self, step: int) -> float:
-        """Where the lr sits between warmup_min_lr (0) and warmup_max_lr (1) at `step`."""
-        return warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+    def gamma(self, it: int) -> float:
+        """Where the lr sits between warmup_min_lr (0) and warmup_max_lr (1) at iteration
+        `it`; before the first iteration (-1) it is where iteration 0 starts."""
+        return warmup_gamma(max(it, 0), self.warmup_num_steps, self.warmup_type)
 
     def get_lr(self) -> list[float]:
-        lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self.gamma(
-            self.last_epoch
-        )
+        gamma = self.gamma(schedule_iteration(self.last_epoch))
+        lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
         return [lr for _ in self.optimizer.param_groups]
 
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then a linear decay that reaches warmup_min_lr at total_num_steps.
 
-    After warmup, lr = min + (max - min) * (total - step) / (total - warmup), never below min;
-    with the default warmup_min_lr of 0 this is max * (total - step) / (total - warmup), as in
-    DeepSpeed.
+    After warmup, lr = min + (max - min) * (total - it) / (total - w), never below min (w the
+    effective warmup), as in DeepSpeed.
     """
 
     def __init__(
@@ -100,19 +116,22 @@ class WarmupDecayLR(WarmupLR):
             optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch
         )
 
-    def gamma(self, step: int) -> float:
-        if step < self.warmup_num_steps:
-            return super().gamma(step)
-        remaining = (self.total_num_steps - step) / (self.total_num_steps - self.warmup_num_steps)
-        return max(0.0, remaining)
+    def gamma(self, it: int) -> float:
+        w = effective_warmup(self.warmup_num_steps)
+        it = max(it, 0)
+        if it < w:
+            return super().gamma(it)
+        return max(0.0, (self.total_num_steps - it) / max(1, self.total_num_steps - w))
 
 
 class WarmupCosineLR(LRScheduler):
     """Warmup then cosine decay, as ratios of each param group's base lr (the optimizer's lr).
 
     During warmup ratio = warmup_min_ratio + (1 - warmup_min_ratio) * gamma; afterwards it
-    follows a half cosine from 1 down to cos_min_ratio over total - warmup steps and stays at
-    cos_min_ratio from total_num_steps on.
+    follows a half cosine from 1 down to cos_min_ratio over total - w iterations (iteration
+    it >= w is (it - w + 1) / (total - w) of the way) and stays at cos_min_ratio. As in
+    DeepSpeed, the ratio before the first iteration is 0, so step 0 runs at lr 0 whatever
+    warmup_min_ratio is.
     """
 
     def __init__(
@@ -134,18 +153,20 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
-    def ratio(self, step: int) -> float:
-        """Multiplier applied to the base lr at `step`."""
-        if step < self.warmup_num_steps:
-            gamma = warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+    def ratio(self, it: int) -> float:
+        """Multiplier applied to the base lr at schedule iteration `it`."""
+        w = effective_warmup(self.warmup_num_steps)
+        if it < 0:
+            return 0.0 if w else 1.0
+        if it < w:
+            gamma = warmup_gamma(it, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
-        decay_steps = self.total_num_steps - self.warmup_num_steps
-        progress = min(1.0, (step - self.warmup_num_steps) / decay_steps)
+        progress = min(1.0, (it - w + 1) / max(1, self.total_num_steps - w))
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine
 
     def get_lr(self) -> list[float]:
-        ratio = self.ratio(self.last_epoch)
+        ratio = self.ratio(schedule_iteration(self.last_epoch))
         return [float(base_lr) * ratio for base_lr in self.base_lrs]
 
 

@@ -3,14 +3,18 @@
 `load_config` is the entry point: it accepts a dict, a path to a JSON file or an existing
 `Config`, and turns every problem it finds into one `ConfigError` that lists each problem on its
 own line with the dotted key, the value given and what is valid. Nothing is silently ignored:
-unknown keys fail with the nearest valid key, DeepSpeed keys meshzero does not implement yet fail
-saying so, and "auto" values fail with how to resolve them.
+unknown keys fail with the nearest valid key, DeepSpeed keys that would change results and that
+meshzero does not implement fail saying so, and an "auto" meshzero cannot resolve fails with how
+to resolve it. DeepSpeed's aliases, performance hints and values that ask for nothing load.
 
     scalars.py      strict int/float/bool types and the `Section` base (unknown keys refused)
     errors.py       ConfigError and the one-line-per-problem report
-    unsupported.py  DeepSpeed keys known but not implemented
+    unsupported.py  DeepSpeed keys that would change results and are not implemented
+    compat.py       DeepSpeed's aliases, hints, no-op values and "auto", before validation
+    monitor.py      `tensorboard`, `wandb`, `csv_monitor`
+    table.py        the migration table (docs/migration-keys.md) rendered from all of these
     optimizer.py    `optimizer` and `scheduler`: a type and its params
-    precision.py    `fp16`, `bf16`
+    precision.py    `fp16`, `bf16`, `data_types`
     offload.py      `zero_optimization.offload_optimizer` / `offload_param`
     zero.py         `zero_optimization` and its cross-key rules
     mesh.py         `tensor_parallel`, `pipeline_parallel`, `topology`

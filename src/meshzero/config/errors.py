@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import ErrorDetails
 
+from meshzero.config.compat import deepspeed_keys
 from meshzero.config.unsupported import UNSUPPORTED_KEYS
 
 
@@ -38,21 +39,13 @@ def read_json(path: Path) -> Any:
         ) from None
 
 
-def find_auto(node: Any, key: str) -> list[str]:
-    """Dotted keys of every "auto" value at any depth."""
-    if isinstance(node, str):
-        return [key] if node.strip().lower() == "auto" else []
-    if isinstance(node, dict):
-        return [k for name, v in node.items() for k in find_auto(v, _join_key(key, name))]
-    if isinstance(node, list):
-        return [k for i, v in enumerate(node) for k in find_auto(v, f"{key}[{i}]")]
-    return []
-
-
-def auto_message(key: str) -> str:
+def auto_message(key: str, have_model: bool = False) -> str:
+    model = "" if have_model else ", given the model,"
     return (
-        f"config key '{key}' is 'auto': meshzero does not infer values; replace it with a "
-        "number (Hugging Face's Trainer resolves 'auto' before handing the config over)"
+        f"config key '{key}' is 'auto': meshzero resolves 'auto' only in the batch keys (from "
+        f"each other) and{model} in reduce_bucket_size, stage3_prefetch_bucket_size and "
+        "stage3_param_persistence_threshold (from its hidden size); replace it with a value "
+        "(Hugging Face's Trainer fills its own 'auto' keys before it hands the config over)"
     )
 
 
@@ -93,12 +86,16 @@ def _unknown_key_message(loc: tuple[Any, ...], raw: dict[str, Any],
     key = _dotted(loc)
     if key in UNSUPPORTED_KEYS:
         return (
-            f"config key '{key}' is a DeepSpeed feature meshzero does not implement yet "
-            f"({UNSUPPORTED_KEYS[key]}); remove it"
+            f"config key '{key}' asks for a DeepSpeed feature meshzero does not "
+            f"implement yet and that would change results ({UNSUPPORTED_KEYS[key]}); remove it "
+            "or switch it off"
         )
     valid = _valid_keys(loc[:-1], raw, root)
     prefix = _dotted(loc[:-1])
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    # DeepSpeed keys accepted outside the schema are near-misses too (round_robin_gradient)
+    known = {k.rsplit(".", 1)[-1] for k in [*deepspeed_keys(), *UNSUPPORTED_KEYS]
+             if (k.rsplit(".", 1)[0] if "." in k else "") == prefix}
+    close = difflib.get_close_matches(str(loc[-1]), [*valid, *sorted(known)], n=1)
     if close:
         return f"unknown config key '{key}'; did you mean '{_join_key(prefix, close[0])}'?"
     return f"unknown config key '{key}'; valid keys at '{prefix or '<top>'}': {', '.join(valid)}"

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, Strict
 
-from meshzero.config.scalars import Bool, NonNegInt, PosInt, Section
+from meshzero.config.scalars import Bool, PosInt, Section
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 NvmePath = Annotated[str, Strict(), Field(min_length=1)]
@@ -20,17 +20,14 @@ class OffloadOptimizerConfig(Section):
     nvme_path: NvmePath | None = None
     pin_memory: Bool = False
     buffer_count: PosInt = 4
-    fast_init: Bool = False
 
 
 class OffloadParamConfig(Section):
     """`zero_optimization.offload_param` (stage 3): where parameter shards live at rest.
-    buffer_size and max_in_cpu are accepted for DeepSpeed configs; meshzero sizes its read
-    buffers by the units it reads ahead (buffer_count of them)."""
+    meshzero sizes its read buffers by the units it reads ahead (buffer_count of them);
+    DeepSpeed's buffer_size and max_in_cpu are accepted as hints (config.compat)."""
 
     device: OffloadDevice = "none"
     nvme_path: NvmePath | None = None
     pin_memory: Bool = False
     buffer_count: PosInt = 5
-    buffer_size: PosInt = 100_000_000
-    max_in_cpu: NonNegInt = 1_000_000_000

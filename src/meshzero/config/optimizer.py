@@ -24,7 +24,8 @@ class AdamParams(Section):
     """DeepSpeed's "Adam": decoupled weight decay (i.e. AdamW) unless adam_w_mode is false.
 
     With adam_w_mode false, weight_decay is added to the gradient (L2 regularisation, the
-    behaviour of torch.optim.Adam).
+    behaviour of torch.optim.Adam). torch_adam asks for torch.optim, which meshzero always
+    uses; bias_correction must stay true (torch's Adam always corrects).
     """
 
     lr: PosFloat = 1e-3
@@ -33,16 +34,23 @@ class AdamParams(Section):
     weight_decay: NonNegFloat = 0.0
     amsgrad: Bool = False
     adam_w_mode: Bool = True
+    torch_adam: Bool = False
+    bias_correction: Bool = True
+
+    @field_validator("bias_correction")
+    @classmethod
+    def _corrected(cls, value: bool) -> bool:
+        if not value:
+            raise InvalidValue("is not supported: torch.optim's Adam and AdamW always correct "
+                               "the moments' bias; only true is valid")
+        return value
 
 
-class AdamWParams(Section):
-    """DeepSpeed's "AdamW": Adam with decoupled weight decay (torch.optim.AdamW)."""
+class AdamWParams(AdamParams):
+    """DeepSpeed's "AdamW": Adam with decoupled weight decay (torch.optim.AdamW) whatever
+    adam_w_mode says, as in DeepSpeed."""
 
-    lr: PosFloat = 1e-3
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    eps: PosFloat = 1e-8
     weight_decay: NonNegFloat = 0.01
-    amsgrad: Bool = False
 
 
 class SGDParams(Section):

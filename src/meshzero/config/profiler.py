@@ -5,7 +5,7 @@ from typing import Annotated
 from pydantic import Field, Strict, field_validator
 
 from meshzero.config.errors import InvalidValue
-from meshzero.config.scalars import Bool, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, Section
+from meshzero.config.scalars import Bool, Int, NonNegFloat, PosFloat, PosInt, Section
 
 
 class FlopsProfilerConfig(Section):
@@ -17,7 +17,7 @@ class FlopsProfilerConfig(Section):
     measured once on CPU)."""
 
     enabled: Bool = False
-    profile_step: NonNegInt = 1
+    profile_step: Annotated[Int, Field(ge=-1)] = 1  # -1: never (DeepSpeed's "off")
     module_depth: Annotated[Int, Field(ge=-1)] = -1
     top_modules: PosInt = 1
     detailed: Bool = True

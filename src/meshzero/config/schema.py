@@ -5,7 +5,7 @@ together. Each default lives on its field and each rule in one place: the estima
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from meshzero.config.batch import (
     batch_problems,
@@ -14,10 +14,11 @@ from meshzero.config.batch import (
     resolve_batch,
 )
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
+from meshzero.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
-from meshzero.config.precision import BF16Config, FP16Config
+from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
 from meshzero.config.profiler import FlopsProfilerConfig
-from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosInt
+from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
 from meshzero.config.zero import ZeroConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -36,6 +37,9 @@ class Config(BaseModel):
     bf16: BF16Config = Field(default_factory=BF16Config)
     gradient_clipping: NonNegFloat = 0.0
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: PosFloat = 1.0
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     steps_per_print: PosInt = 10
     wall_clock_breakdown: Bool = False
     seed: NonNegInt | None = None
@@ -44,6 +48,13 @@ class Config(BaseModel):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    # what load_config accepted without it changing results: the hint keys (one INFO line
+    # at initialize) and the deprecated spellings it renamed
+    _hints: tuple[str, ...] = PrivateAttr(default=())
+    _deprecations: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -51,6 +62,10 @@ class Config(BaseModel):
                                   self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            problems.append(f"prescale_gradients is true and gradient_predivide_factor is "
+                            f"{self.gradient_predivide_factor}: both say where gradients are "
+                            "divided; give one")
         problems += _mesh_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
@@ -70,6 +85,22 @@ class Config(BaseModel):
         """Data-parallel (ZeRO) ranks of `world_size`: world / (tp * pp)."""
         return data_parallel_size(world_size, self.tensor_parallel.size,
                                   self.pipeline_parallel.size)
+
+    @property
+    def hints(self) -> tuple[str, ...]:
+        """Accepted DeepSpeed hints that change nothing here (with why)."""
+        return self._hints
+
+    @property
+    def deprecations(self) -> tuple[str, ...]:
+        """Deprecated DeepSpeed spellings that load_config renamed."""
+        return self._deprecations
+
+    def grad_predivide(self, dp_size: int) -> float:
+        """What gradients are divided by before the data-parallel sum (the step divides by
+        dp_size / this after it): dp_size with prescale_gradients, else
+        gradient_predivide_factor."""
+        return float(dp_size) if self.prescale_gradients else self.gradient_predivide_factor
 
     @property
     def compute_dtype(self) -> torch.dtype:

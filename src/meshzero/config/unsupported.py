@@ -1,62 +1,32 @@
-"""DeepSpeed keys meshzero knows but does not implement yet.
+"""DeepSpeed keys that would change results and that meshzero does not implement yet.
 
 An unknown-key error for one of these says so instead of suggesting the nearest key.
 """
 
-# DeepSpeed keys meshzero recognises but does not implement yet: dotted key -> short note.
-# Remove an entry (and add the field to its model) when the feature lands.
+# DeepSpeed keys that would change what training computes and that meshzero cannot honour:
+# dotted key -> short note. A value that asks for nothing (false, {"enabled": false}) is
+# accepted before it gets here (config.compat). Remove an entry (and add the field to its
+# model) when the feature lands.
 UNSUPPORTED_KEYS: dict[str, str] = {
-    "activation_checkpointing": "use torch.utils.checkpoint in the model instead",
-    "tensorboard": "monitoring backend",
-    "wandb": "monitoring backend",
-    "csv_monitor": "monitoring backend",
-    "comms_logger": "meshzero counts communication itself",
-    "amp": "NVIDIA apex AMP",
-    "pipeline": "DeepSpeed's PipelineModule config; use meshzero's pipeline_parallel",
-    "checkpoint": "checkpoint engine options",
-    "data_types": "gradient accumulation dtype",
-    "elasticity": "elastic training",
+    "amp": "NVIDIA apex AMP; use bf16 or fp16",
+    "torch_autocast": "torch.autocast integration; use bf16 or fp16",
+    "elasticity": "elastic training changes the batch size",
     "autotuning": "autotuner",
     "compression_training": "compression library",
-    "sparse_attention": "sparse attention kernels",
-    "zero_allow_untested_optimizer": "client optimizers",
-    "zero_force_ds_cpu_optimizer": "CPU offload",
-    "gradient_predivide_factor": "gradient pre-division",
-    "prescale_gradients": "gradient pre-scaling",
-    "dump_state": "state dump",
-    "data_efficiency": "data efficiency library",
+    "data_efficiency": "data efficiency library (data sampling and routing)",
     "curriculum_learning": "curriculum learning",
-    "torch_autocast": "torch.autocast integration",
-    "sparse_gradients": "sparse gradients",
-    "memory_breakdown": "use engine.memory_report()",
-    "dataloader_drop_last": "DeepSpeed data loader",
-    "aio": "DeepSpeed's async I/O tuning; meshzero's NVMe tier uses os.pread/pwrite threads",
-    "eigenvalue": "eigenvalue computation",
     "progressive_layer_drop": "progressive layer drop",
+    "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "RLHF hybrid engine",
-    "compile": "torch.compile integration",
-    "zero_optimization.cpu_offload": "CPU offload (spell it offload_optimizer.device 'cpu')",
-    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload",
-    "zero_optimization.offload_optimizer.pipeline": "meshzero always overlaps NVMe I/O",
-    "zero_optimization.offload_optimizer.pipeline_read": "meshzero always overlaps NVMe I/O",
-    "zero_optimization.offload_optimizer.pipeline_write": "meshzero always overlaps NVMe I/O",
+    "sparse_gradients": "sparse gradients",
+    "nebula": "Nebula checkpoint service",
     "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS",
-    "zero_optimization.round_robin_gradients": "round-robin gradients",
-    "zero_optimization.elastic_checkpoint": "elastic checkpoints",
-    "zero_optimization.load_from_fp32_weights": "checkpoint loading option",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "16-bit model save",
-    "zero_optimization.gather_16bit_weights_on_model_save": "16-bit model save",
-    "zero_optimization.ignore_unused_parameters": "unused parameters are always handled",
-    "zero_optimization.legacy_stage1": "legacy stage 1",
-    "zero_optimization.memory_efficient_linear": "memory-efficient linear",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "multi-rank bucket all-reduce",
     "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
-    "zero_optimization.log_trace_cache_warnings": "trace cache warnings",
-    "fp16.auto_cast": "fp16 autocast of inputs",
-    "fp16.consecutive_hysteresis": "consecutive hysteresis",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
+    "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
+    "tensor_parallel.autotp_size": "AutoTP needs the model to infer a plan: pass it to "
+                                   "initialize, or give tensor_parallel.size and plan",
 }

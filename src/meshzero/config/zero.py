@@ -2,17 +2,10 @@
 
 from typing import Annotated
 
-from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
+from pydantic import Field, Strict, model_validator
 
-from meshzero.config.errors import InvalidValue
 from meshzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 from meshzero.config.scalars import Bool, Int, NonNegInt, PosInt, Section
-
-_ALWAYS_ON = {
-    "contiguous_gradients": "meshzero always keeps gradients in contiguous flat buffers",
-    "reduce_scatter": "meshzero always reduces gradients with reduce-scatter",
-    "allgather_partitions": "meshzero always all-gathers whole partitions",
-}
 
 
 class ZeroConfig(Section):
@@ -21,14 +14,15 @@ class ZeroConfig(Section):
 
     stage: Annotated[Int, Field(ge=0, le=3)] = 0
     overlap_comm: Bool = True
+    # what meshzero always does; false is accepted as a hint (config.compat)
     contiguous_gradients: Bool = True
     reduce_scatter: Bool = True
     allgather_partitions: Bool = True
-    reduce_bucket_size: PosInt = 500_000_000
-    allgather_bucket_size: PosInt = 500_000_000
+    reduce_bucket_size: NonNegInt = 500_000_000
+    allgather_bucket_size: NonNegInt = 500_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
     stage3_param_persistence_threshold: NonNegInt = 100_000
-    stage3_max_live_parameters: PosInt = 1_000_000_000
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     unit_classes: list[Annotated[str, Strict(), Field(min_length=1)]] | None = None
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
@@ -36,6 +30,9 @@ class ZeroConfig(Section):
     sub_group_size: PosInt = 1_000_000_000
     zero_hpz_partition_size: PosInt = 1
     mics_shard_size: Annotated[Int, Field(ge=-1)] = -1
+    # None: not given, and save_16bit_model saves; false at stage 3: it saves nothing, as in
+    # DeepSpeed (whose default is false)
+    stage3_gather_16bit_weights_on_model_save: Bool | None = None
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "ZeroConfig":
@@ -70,11 +67,3 @@ class ZeroConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
-
-    @field_validator(*_ALWAYS_ON)
-    @classmethod
-    def _only_true(cls, value: bool, info: ValidationInfo) -> bool:
-        if not value:
-            raise InvalidValue(
-                f"is not supported: {_ALWAYS_ON[info.field_name]}; only true is valid")
-        return value

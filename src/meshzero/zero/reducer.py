@@ -36,9 +36,12 @@ class GradientReducer:
         on_unit_ready: Callable[[int], None] | None = None,
         on_unit_reduced: Callable[[int], None] | None = None,
         replica_comm: Communicator | None = None,
+        predivide: float = 1.0,
     ):
         """``replica_comm`` (MiCS): after the reduce-scatter inside the shard block, the
-        gradient shard is all-reduced across the blocks that replicate it."""
+        gradient shard is all-reduced across the blocks that replicate it. ``predivide``:
+        gradients are multiplied by 1 / predivide before they are summed (DeepSpeed's
+        prescale_gradients and gradient_predivide_factor, which keep 16-bit sums in range)."""
         self.units = units
         self.comm = comm
         self.stage = stage
@@ -47,6 +50,7 @@ class GradientReducer:
         self.on_unit_ready = on_unit_ready
         self.on_unit_reduced = on_unit_reduced
         self.replica_comm = replica_comm
+        self.predivide = predivide
         self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
         self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
         self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
@@ -177,6 +181,8 @@ class GradientReducer:
     def _reduce(self, group: FlatGroup, unit: int) -> tuple[Handle, Callable[[], None]]:
         src = group.grad_target()
         send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
+        if self.predivide != 1.0:  # never in place on src: it may be read after the reduction
+            send = send * (1.0 / self.predivide) if send is src else send.mul_(1.0 / self.predivide)
         if self.stage == 0:
             handle = self.comm.all_reduce(send)
             return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)

@@ -44,6 +44,9 @@ class ZeroOptions:
     max_live_numel: int
     max_reuse_distance: int
     offload: OffloadOptions = field(default_factory=OffloadOptions)
+    # gradients are divided by this before the reduction (DeepSpeed's prescale_gradients /
+    # gradient_predivide_factor); the step divides by dp_size / grad_predivide after it
+    grad_predivide: float = 1.0
 
 
 class ZeroModelState:
@@ -101,6 +104,7 @@ class ZeroModelState:
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
             bucket_numel=options.reduce_bucket_numel, on_unit_ready=self._on_unit_ready,
             on_unit_reduced=self.tier.on_unit_reduced, replica_comm=replica_comm,
+            predivide=options.grad_predivide,
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.closed = False

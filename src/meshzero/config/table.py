@@ -1,0 +1,148 @@
+"""The migration table: every DeepSpeed key and what meshzero does with it, rendered from the
+schema and the compat tables, so the docs cannot drift from the code.
+
+    python -m meshzero.config.table docs/migration-keys.md   # rewrite the docs copy
+
+tests/test_config_table.py fails when the docs copy is not what `render` gives.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from meshzero.config.compat import (
+    ALIASES,
+    HINTS,
+    NOOP_VALUES,
+    OFF_WHEN_DISABLED,
+    OLD_OFFLOAD,
+    VALUE_ALIASES,
+)
+from meshzero.config.optimizer import (
+    DEEPSPEED_ONLY_OPTIMIZERS,
+    DEEPSPEED_ONLY_SCHEDULERS,
+    OPTIMIZER_PARAMS,
+    SCHEDULER_PARAMS,
+)
+from meshzero.config.schema import Config
+from meshzero.config.unsupported import UNSUPPORTED_KEYS
+
+HEADER = """<!-- generated: python -m meshzero.config.table docs/migration-keys.md -->
+
+# DeepSpeed config keys in meshzero
+
+A ds_config.json loads as it is, or fails on its first read with every key meshzero cannot
+honour, one per line. This table is generated from the schema (`meshzero.config`).
+
+Where the meaning needs a word: the lr of each step of `WarmupLR`, `WarmupDecayLR` and
+`WarmupCosineLR` is the one a DeepSpeed engine uses (step 0 at the schedule's start, then one
+schedule step per optimizer step; `warmup_num_steps: 0`, which DeepSpeed refuses, means no
+warmup); `fp16.hysteresis` is restored only after a clean `loss_scale_window`, as DeepSpeed's
+scaler does; `stage3_gather_16bit_weights_on_model_save: false` at stage 3 makes
+`save_16bit_model` save nothing, as in DeepSpeed (not given: it saves); `fp16.auto_cast`:
+meshzero always casts floating inputs to the compute dtype. meshzero's own keys:
+`zero_optimization.unit_classes`, `flops_profiler.peak_flops`, `seed`, `tensor_parallel`,
+`pipeline_parallel`, `topology`.
+"""
+
+
+def _code(keys: list[str]) -> str:
+    return ", ".join(f"`{k}`" for k in keys)
+
+
+def _section_keys(model: type[BaseModel], prefix: str) -> list[str]:
+    """Dotted keys of a section, nested sections flattened."""
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = _submodel(field.annotation)
+        if sub is not None and name not in ("params",):
+            keys += _section_keys(sub, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _honoured_rows() -> list[str]:
+    rows = []
+    for name, field in Config.model_fields.items():
+        if name in ("optimizer", "scheduler"):
+            continue
+        sub = _submodel(field.annotation)
+        keys = _section_keys(sub, "") if sub is not None else []
+        rows.append(f"| `{name}` | {_code(keys) if keys else 'same meaning'} |")
+    for what, kinds in (("optimizer", OPTIMIZER_PARAMS), ("scheduler", SCHEDULER_PARAMS)):
+        for kind, params in kinds.items():
+            rows.append(f"| `{what}` type `{kind}` | params {_code(list(params.model_fields))} |")
+    return rows
+
+
+def _value(values: tuple[Any, ...]) -> str:
+    shown = ["null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
+             for v in values]
+    return " or ".join(f"`{v}`" for v in shown)
+
+
+def render() -> str:
+    """The whole table as markdown."""
+    out = [HEADER, "## Honoured: the same meaning as in DeepSpeed", "",
+           "| key | keys inside it |", "| --- | --- |", *_honoured_rows(), ""]
+    out += ["## Other spellings DeepSpeed accepts (renamed; deprecated ones said once)", "",
+            "| DeepSpeed spelling | meshzero key |", "| --- | --- |"]
+    out += [f"| `{old}` | `{new}`{' (deprecated)' if dep else ''} |"
+            for old, (new, dep) in ALIASES.items()]
+    out += [f"| `zero_optimization.{old}: true` | `zero_optimization.{block}.{key}` "
+            f"{'cpu' if key == 'device' else 'true'} (deprecated) |"
+            for old, (block, key) in OLD_OFFLOAD.items()]
+    out += [f"| `{key}: {old!r}` | `{key}: {new!r}` |"
+            for key, spellings in VALUE_ALIASES.items()
+            for old, new in spellings.items() if old != new]
+    out += ["", "## Accepted hints: no effect on results (one INFO line at `initialize`)", "",
+            "| key | why it changes nothing here |", "| --- | --- |"]
+    out += [f"| `{key}` | {why} |" for key, why in HINTS.items()]
+    out += ["| `zero_optimization.contiguous_gradients`, `reduce_scatter`, "
+            "`allgather_partitions` set to `false` | meshzero always does them |",
+            "| `zero_optimization.sub_group_size: 0` | the default tile is used |"]
+    out += ["", "## Accepted because the value asks for nothing", "",
+            "| key | value |", "| --- | --- |"]
+    out += [f"| `{key}` | {_value(values)} |" for key, values in NOOP_VALUES.items()]
+    out += [f"| `{name}` | `{{\"enabled\": false, ...}}` |" for name in OFF_WHEN_DISABLED]
+    out += [f"| `zero_optimization.{old}` | `false` |" for old in OLD_OFFLOAD]
+    out += ["", '## `"auto"`', "",
+            "Resolved as Hugging Face's integration resolves it where meshzero has the same "
+            "inputs: `train_batch_size`, `train_micro_batch_size_per_gpu` and "
+            "`gradient_accumulation_steps` from each other; with the model given to "
+            "`initialize` (its `config.hidden_size` h), `reduce_bucket_size` = h*h, "
+            "`stage3_prefetch_bucket_size` = 0.9*h*h, `stage3_param_persistence_threshold` = "
+            "10*h. Every other `\"auto\"` is refused, listed with all other problems.", ""]
+    out += ["## Refused: would change results, not implemented yet", "",
+            "| key | what it asks for |", "| --- | --- |"]
+    out += [f"| `{key}` | {note} |" for key, note in UNSUPPORTED_KEYS.items()]
+    out += [f"| `optimizer.type` {_code(list(DEEPSPEED_ONLY_OPTIMIZERS))} | DeepSpeed's own "
+            "optimizers; pass any `torch.optim` optimizer to `initialize` instead |",
+            f"| `scheduler.type` {_code(list(DEEPSPEED_ONLY_SCHEDULERS))} | DeepSpeed's own "
+            "schedulers; pass `lr_scheduler=` instead |", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    text = render()
+    if args:
+        Path(args[0]).write_text(text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
