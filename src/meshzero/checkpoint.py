@@ -73,6 +73,7 @@ from meshzero.checkpoint_state import (
     scheduler_metadata,
 )
 from meshzero.checkpoint_weights import consolidate, load_weights, save_16bit_model
+from meshzero.hf.files import hf_model_files
 
 if TYPE_CHECKING:
     from meshzero.engine import Engine
@@ -134,6 +135,8 @@ def _manifest_metadata(engine: Engine, names: ModelNames, piece: ModelPiece, tag
                   "skipped_steps": engine.skipped_steps},
         "client_state": client_state,
     }
+    if hf_files := hf_model_files(engine.module):  # for consolidate's config.json
+        meta["hf_files"] = hf_files
     if piece.split:
         meta["piece"] = {"pp": piece.pp, "tp": piece.tp}
     if piece.tp_size > 1:

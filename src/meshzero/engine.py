@@ -144,6 +144,7 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.last_grad_norm: float | None = None  # before clipping; set when clipping is on
         # host-tier offload: step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
@@ -316,6 +317,7 @@ class Engine(nn.Module):
             coef = 1.0
             if clip > 0:
                 norm = math.sqrt(sq_norm) * inv
+                self.last_grad_norm = norm
                 coef = min(1.0, clip / (norm + 1e-6))
             self.zero.optimizer_step(inv * coef)
             state.sync_params()
