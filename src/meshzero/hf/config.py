@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +137,3 @@ def _same(given: Any, value: Any) -> bool:
         return abs(float(given) - float(value)) <= 1e-12 * max(1.0, abs(float(value)))
     return given == value
 
-
-def hf_scheduler_factory(trainer_create_scheduler: Callable[..., Any], max_steps: int
-                         ) -> Callable[[Any], Any]:
-    """``optimizer -> scheduler`` building the Trainer's own schedule (``lr_scheduler_type``,
-    warmup) over the engine's fragment optimizer, for configs without a ``scheduler``."""
-    def build(optimizer: Any) -> Any:
-        return trainer_create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
-    return build
