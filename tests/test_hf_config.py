@@ -57,6 +57,11 @@ def test_missing_batch_keys_are_filled_and_others_keep_defaults(tmp_path) -> Non
     got = resolve_auto({"zero_optimization": {"stage": 2}}, values)
     assert got == {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
                    "gradient_accumulation_steps": 2, "train_batch_size": 24}
+    values = argument_values(_args(tmp_path, bf16=True), world_size=1, max_steps=None,
+                             hidden_size=None)
+    assert resolve_auto({}, values)["bf16"] == {"enabled": True}
+    with pytest.raises(ConfigError, match="'bf16.enabled' = False disagrees"):
+        resolve_auto({"bf16": {"enabled": False}}, values)
 
 
 def test_numbers_that_disagree_with_the_arguments_fail_naming_both(tmp_path) -> None:

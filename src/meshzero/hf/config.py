@@ -80,15 +80,17 @@ def argument_values(args: Any, *, world_size: int, max_steps: int | None,
 def resolve_auto(raw: dict[str, Any], values: Resolved) -> dict[str, Any]:
     """``raw`` with every "auto" in ``values`` replaced and every required agreement checked.
 
-    A key in ``values`` that ``raw`` leaves out is filled for the batch keys only (the engine
-    needs them; the others keep meshzero's defaults). An "auto" nothing resolves is left for
-    ``load_config`` to refuse with its own message."""
+    A key in ``values`` that ``raw`` leaves out is filled for the batch keys and a precision
+    the arguments turn on (the loop depends on them); the others keep meshzero's defaults.
+    An "auto" nothing resolves is left for ``load_config`` to refuse with its own message."""
     out = copy.deepcopy(raw)
     problems = []
     for key, (value, must_match) in values.items():
+        if key in _FILLED and value is not False and "." in key:
+            out.setdefault(key.split(".")[0], {})  # "bf16": {...} for bf16=True
         parent, leaf = _parent(out, key)
         if parent is None or leaf not in parent:
-            if parent is not None and key in _BATCH_KEYS:
+            if parent is not None and key in _FILLED and value is not False:
                 parent[leaf] = value
             continue
         given = parent[leaf]
@@ -103,8 +105,9 @@ def resolve_auto(raw: dict[str, Any], values: Resolved) -> dict[str, Any]:
     return out
 
 
-_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-               "train_batch_size")
+# filled when the config leaves them out (fp16/bf16 only when the arguments turn them on)
+_FILLED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+           "train_batch_size", "fp16.enabled", "bf16.enabled")
 _ARG_NAMES = {
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
     "train_batch_size": "world_size * per_device_train_batch_size * "
