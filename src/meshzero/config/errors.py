@@ -52,7 +52,8 @@ def find_auto(node: Any, key: str) -> list[str]:
 def auto_message(key: str) -> str:
     return (
         f"config key '{key}' is 'auto': meshzero does not infer values; replace it with a "
-        "number (Hugging Face's Trainer resolves 'auto' before handing the config over)"
+        "number, or train through meshzero.hf.MeshzeroTrainer, which resolves 'auto' from "
+        "its TrainingArguments"
     )
 
 
