@@ -104,6 +104,7 @@ class Engine(nn.Module):
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.counters = StepCounters()
+        self.last_grad_norm: float | None = None  # before clipping; set when clipping is on
         # let the ZeRO tier step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
@@ -276,6 +277,7 @@ class Engine(nn.Module):
             coef = 1.0
             if clip > 0:
                 norm = math.sqrt(sq_norm) * inv
+                self.last_grad_norm = norm
                 coef = min(1.0, clip / (norm + 1e-6))
             self.zero.optimizer_step(inv * coef)
             state.sync_params()

@@ -74,6 +74,7 @@ from meshzero.checkpoint.state import (
 )
 from meshzero.checkpoint.training import TrainingState
 from meshzero.zero.fragment_views import fragment_views
+from meshzero.hf.files import hf_model_files
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -130,6 +131,8 @@ def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiec
         "steps": dataclasses.asdict(state.counters),  # global, micro, skipped steps
         "client_state": client_state,
     }
+    if hf_files := hf_model_files(state.module):  # for consolidate's config.json
+        meta["hf_files"] = hf_files
     if piece.split:
         meta["piece"] = {"pp": piece.pp, "tp": piece.tp}
     if piece.tp_size > 1:

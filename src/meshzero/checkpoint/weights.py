@@ -38,6 +38,7 @@ from meshzero.checkpoint.model_files import (
     write_model_files,
 )
 from meshzero.checkpoint.state import ModelNames, model_names
+from meshzero.hf.files import hf_model_files, write_hf_model_files
 from meshzero.checkpoint.training import TrainingState
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
 from meshzero.parallel.tensor import gather_tp_tensor
@@ -118,7 +119,8 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     t = slices[0] if layout is None else unshard_tensor(slices, layout)
                 yield spec.name, t.to(spec.dtype)
 
-        return write_model_files(out_dir, specs, tensors(), max_shard_bytes=max_bytes)
+        paths = write_model_files(out_dir, specs, tensors(), max_shard_bytes=max_bytes)
+    return paths + write_hf_model_files(out_dir, top.get("hf_files", {}), out_dtype)
 
 
 def _full_shape(shape: tuple[int, ...], layout: ShardLayout | None, tp: int
@@ -179,6 +181,8 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
                 pass
 
     on_all_ranks(state, "save_16bit_model", write)
+    if t.rank == 0:  # a Hugging Face model: config.json beside the weights
+        write_hf_model_files(save_dir, hf_model_files(state.module), dtype)
     path = Path(save_dir) / save_filename
     if t.pp_size > 1:
         path = Path(save_dir) / (save_filename + INDEX_SUFFIX)

@@ -45,7 +45,8 @@ def auto_message(key: str, have_model: bool = False) -> str:
         f"config key '{key}' is 'auto': meshzero resolves 'auto' only in the batch keys (from "
         f"each other) and{model} in reduce_bucket_size, stage3_prefetch_bucket_size and "
         "stage3_param_persistence_threshold (from its hidden size); replace it with a value "
-        "(Hugging Face's Trainer fills its own 'auto' keys before it hands the config over)"
+        "(Hugging Face's Trainer fills its own 'auto' keys before it hands the config over; "
+        "meshzero.hf.MeshzeroTrainer resolves them from its TrainingArguments)"
     )
 
 
