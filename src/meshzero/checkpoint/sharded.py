@@ -73,8 +73,8 @@ from meshzero.checkpoint.state import (
     scheduler_metadata,
 )
 from meshzero.checkpoint.training import TrainingState
-from meshzero.zero.fragment_views import fragment_views
 from meshzero.hf.files import hf_model_files
+from meshzero.zero.fragment_views import fragment_views
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

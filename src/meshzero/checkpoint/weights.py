@@ -38,8 +38,8 @@ from meshzero.checkpoint.model_files import (
     write_model_files,
 )
 from meshzero.checkpoint.state import ModelNames, model_names
-from meshzero.hf.files import hf_model_files, write_hf_model_files
 from meshzero.checkpoint.training import TrainingState
+from meshzero.hf.files import hf_model_files, write_hf_model_files
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
 from meshzero.parallel.tensor import gather_tp_tensor
 from meshzero.zero.fragment_views import fragment_views
