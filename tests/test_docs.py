@@ -76,13 +76,30 @@ COVERED: dict[str, str] = {
         "tests/test_examples.py::test_train_minimal_loss_falls",
     "meshzero demo --nproc 2 --steps 20": "tests/test_demo.py::test_demo_trains_and_reports",
     "meshzero demo --config examples/configs/zero2.json":
-        "tests/test_example_configs.py::test_config_trains_two_steps_on_two_ranks",
+        "tests/test_example_configs.py::test_config_trains_three_steps_on_two_ranks",
     "meshzero demo --scaling": "tests/test_demo.py::test_scaling_halves_model_state_bytes_per_rank",
     "meshzero env": "not run: prints this machine's setup",
     "torchrun --standalone --nproc-per-node 4 train.py":
         "tests/test_docs.py::test_usage_script_runs_as_shown (2 ranks)",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint node0:29500 train.py":
         "not run: two nodes",
+    # docs/cli.md
+    "meshzero --version": "ci: .ci/fresh-env; tests/test_cli.py::test_version_and_python_dash_m",
+    "meshzero --help": "tests/test_cli.py::test_help_and_version_do_not_import_torch",
+    "meshzero COMMAND --help": "tests/test_cli.py::test_every_option_has_help",
+    "if meshzero estimate --params 7B --stage 3 > estimate.txt; then":
+        "tests/test_cli.py::test_estimate_exit_code_says_whether_it_fits (the exit codes)",
+    "echo \"fits\"": "shell around the exit code, as above",
+    "elif [ $? -eq 3 ]; then": "shell around the exit code, as above",
+    "echo \"does not fit\"": "shell around the exit code, as above",
+    "fi": "shell around the exit code, as above",
+    "meshzero demo --nproc 2 --steps 3": "ci: .ci/fresh-env",
+    "meshzero consolidate CKPT_DIR OUT [--tag TAG] [--dtype fp32|bf16|fp16] "
+    "[--max-shard-size 5GB]": "tests/test_consolidate.py::test_cli_consolidate (synopsis)",
+    "meshzero estimate MODEL|--params N [--nodes N --gpus-per-node G --gpu-memory M ...]":
+        "tests/test_estimate.py::test_cli (synopsis)",
+    "meshzero plan MODEL|--params N [--nodes N --gpus-per-node G --gpu-memory M ...]":
+        "tests/test_plan.py::test_cli (synopsis)",
 }
 
 

@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as e:  # an extra: say which, rather than a bare ModuleNotFoundError
+    raise ImportError("meshzero.hf.MeshzeroTrainer needs transformers: "
+                      "pip install 'meshzero[hf]'") from e
 
 import meshzero
 from meshzero.config import Config, ConfigError, load_config
@@ -41,7 +47,6 @@ _HOOKS = ("_prepare_for_training", "_load_from_checkpoint", "_save_optimizer_and
           "create_scheduler", "get_optimizer_cls_and_kwargs", "get_decay_parameter_names")
 _missing = [name for name in _HOOKS if not hasattr(Trainer, name)]
 if _missing:
-    import transformers
 
     raise ImportError(f"meshzero.hf.MeshzeroTrainer overrides Trainer methods {_missing} that "
                       f"transformers {transformers.__version__} does not have; install the "
