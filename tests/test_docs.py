@@ -54,7 +54,8 @@ COVERED: dict[str, str] = {
     "--activation-memory 12GB": "tests/test_estimate.py::test_params_only",
     "meshzero estimate meshzero.demo.gpt:GPT --nodes 2 --gpus-per-node 4 --gpu-memory 80GB "
     "--tp 2 --tp-plan gpt --pp 2 --stage 1 --precision bf16 --micro-batch 8 "
-    "--pp-micro-batches 4": "tests/test_estimate_mesh.py::test_cli_tp_pp",
+    "--pp-micro-batches 4 --pipeline-layout meshzero.demo.layout:GPT_LAYOUT":
+        "tests/test_estimate_mesh.py::test_cli_tp_pp",
     "meshzero plan llama-70b/config.json --nodes 4 --gpus-per-node 8 --gpu-memory 80GB "
     "--host-memory 1TB --precision bf16 --seq-len 4096 --global-batch 256 "
     "--activation-checkpointing --top 8 --write-config best.json":
