@@ -134,7 +134,12 @@ def _check_load(tmp_path: Path, world_size: int, stage: int, exact: bool) -> Non
     assert got["path"] == str(FIXTURE / "ckpt" / "global_step2")
     assert got["client"] == expected["client_state"]
     assert got["steps"] == expected["steps"]
-    assert got["lr"] == expected["lr"] and got["scaler"] == expected["scaler"]
+    assert got["lr"] == expected["lr"]
+    # every scaler field the old checkpoint saved is restored; fields added since (DeepSpeed's
+    # consecutive_hysteresis, from the config) keep their defaults
+    assert {k: got["scaler"][k] for k in expected["scaler"]} == expected["scaler"]
+    assert {k: v for k, v in got["scaler"].items() if k not in expected["scaler"]} == {
+        "consecutive_hysteresis": False}
     assert got["scheduler"] == expected["scheduler"]
     # the fp32 16-bit file is the full state dict of the saving run at the save
     assert got["params"].keys() == model16.keys()

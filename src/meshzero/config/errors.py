@@ -39,12 +39,12 @@ def read_json(path: Path) -> Any:
         ) from None
 
 
-def auto_message(key: str, have_model: bool = False) -> str:
-    model = "" if have_model else ", given the model,"
+def auto_message(key: str) -> str:
     return (
         f"config key '{key}' is 'auto': meshzero resolves 'auto' only in the batch keys (from "
-        f"each other) and{model} in reduce_bucket_size, stage3_prefetch_bucket_size and "
-        "stage3_param_persistence_threshold (from its hidden size); replace it with a value "
+        "each other) and, when initialize is given the model, in reduce_bucket_size, "
+        "stage3_prefetch_bucket_size and stage3_param_persistence_threshold (from its hidden "
+        "size); replace it with a value "
         "(Hugging Face's Trainer fills its own 'auto' keys before it hands the config over; "
         "meshzero.hf.MeshzeroTrainer resolves them from its TrainingArguments)"
     )

@@ -33,7 +33,7 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
     norm = normalize(raw, hidden_size_of(model) if model is not None else None, tp_plan)
-    problems = norm.problems + [auto_message(key, model is not None) for key in norm.auto]
+    problems = norm.problems + [auto_message(key) for key in norm.auto]
     drop_auto(norm.raw, norm.auto)  # the schema then reports only the other problems
     try:
         validated = Config.model_validate(norm.raw)
