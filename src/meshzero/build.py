@@ -164,7 +164,8 @@ def _cut(model: nn.Module, config: Config, topology: Topology, batch: tuple[int,
          stats: CommStats, **pipeline_args: Any) -> tuple[nn.Module, Pipeline | None]:
     """``(module this rank trains, Pipeline or None)`` after the pipeline and tp cuts."""
     pp, tp = config.pipeline_parallel, config.tensor_parallel
-    plan = shipped_plan(tp.plan) if tp.size > 1 else None
+    # the config requires a plan when tp.size > 1
+    plan = shipped_plan(tp.plan) if tp.size > 1 and tp.plan is not None else None
     pipe = None
     if pp.size > 1:
         _check_pipeline_batches(config, topology, batch)

@@ -235,7 +235,8 @@ class Communicator:
 
         return self._launch("reduce_scatter", nbytes, run, shard, full)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         nbytes = ring_bytes("all_reduce", _size(tensor), self.size)
 
         def run(group):

@@ -202,6 +202,7 @@ class Engine(nn.Module):
         self.zero.reduce_held_gradients()
         self.micro_steps += self.grad_accum - 1
         self.step()
+        assert loss is not None  # broadcast_loss=True: every stage returns the loss
         return loss
 
     def forward(self, *args, **kwargs):

@@ -11,6 +11,7 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,8 +104,10 @@ def _try_fused(cls: type[torch.optim.Optimizer], device: str) -> str:
     param = torch.nn.Parameter(torch.ones(8, device=device))
     param.grad = torch.full_like(param, 0.5)
     try:
-        kwargs = {"lr": 0.1, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 0.1}
-        cls([param], fused=True, **kwargs).step()
+        kwargs: dict[str, Any] = {"lr": 0.1, "fused": True}
+        if cls is torch.optim.SGD:
+            kwargs["momentum"] = 0.9
+        cls([param], **kwargs).step()
     except Exception as exc:
         return f"no ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
     return "yes"

@@ -88,7 +88,7 @@ def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dic
     if cfg.type == "Adam":
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false;
         # its "AdamW" decouples whatever adam_w_mode says.
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     else:
         cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[cfg.type]
     if "betas" in params:
@@ -136,7 +136,7 @@ def build_optimizer(
     return cls(frag_groups, **_constructor_kwargs(cls, kwargs))
 
 
-def _constructor_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _constructor_kwargs(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
     """``defaults`` may hold keys the constructor does not take (AdamW's
     decoupled_weight_decay); keep those it accepts (all of them if it takes ``**kwargs``)."""
     params = inspect.signature(cls.__init__).parameters

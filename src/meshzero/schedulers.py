@@ -14,6 +14,7 @@ DeepSpeed). Every param group gets the schedule; state_dict and load_state_dict 
 
 import math
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -87,7 +88,7 @@ class WarmupLR(LRScheduler):
         `it`; before the first iteration (-1) it is where iteration 0 starts."""
         return warmup_gamma(max(it, 0), self.warmup_num_steps, self.warmup_type)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         gamma = self.gamma(schedule_iteration(self.last_epoch))
         lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
         return [lr for _ in self.optimizer.param_groups]
@@ -165,7 +166,7 @@ class WarmupCosineLR(LRScheduler):
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         ratio = self.ratio(schedule_iteration(self.last_epoch))
         return [float(base_lr) * ratio for base_lr in self.base_lrs]
 

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,7 +30,9 @@ from meshzero.checkpoint.training import TrainingState
 from meshzero.log import warn_once
 
 try:  # numpy is a declared dependency; the guard keeps a broken install loadable
-    import numpy as np
+    import numpy
+
+    np: ModuleType | None = numpy
 except ImportError:  # pragma: no cover
     np = None
 

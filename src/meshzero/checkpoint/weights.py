@@ -83,7 +83,9 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         manifests = {key: read_manifest(where) for key, where in pieces.items()}
     else:
         pieces, manifests = {(0, 0): directory}, {(0, 0): top}
-    specs, sources = [], []  # source: (pp rank, key, local shape or None (a buffer), layout)
+    specs: list[TensorSpec] = []
+    # source: (pp rank, key, local shape or None (a buffer), layout)
+    sources: list[tuple[int, str, tuple[int, ...] | None, ShardLayout | None]] = []
     seen = set()
     for p in range(pp):
         manifest = manifests[(p, 0)]
@@ -201,7 +203,8 @@ def _layouts(state: TrainingState) -> dict[str, ShardLayout]:
 def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:
     """The Hugging Face index over the stages' files, each written by its own stage: names
     and sizes are read back from the files."""
-    weight_map, total = {}, 0
+    weight_map: dict[str, str] = {}
+    total = 0
     for name in files:
         file = save_dir / name
         with open(file, "rb") as f:  # the tensor bytes: all but the 8-byte length and header

@@ -273,6 +273,7 @@ def _autotp(out: Normalized, tp_plan: Callable[[], str | None]) -> None:
     size = tp.get("autotp_size") if isinstance(tp, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 1:
         return  # absent, a no-op value (dropped), or a wrong type the schema reports
+    assert isinstance(tp, dict)  # the size was read from it
     plan = tp.get("plan") or tp_plan()
     if plan is None:
         out.problems.append(f"tensor_parallel.autotp_size = {size}: no shipped tensor-parallel "

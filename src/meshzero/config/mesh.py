@@ -1,14 +1,15 @@
 """How the model is split over ranks: meshzero's own keys tensor_parallel, pipeline_parallel
 and topology."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, Strict
 
 from meshzero.config.scalars import Bool, NonNegInt, PosInt, Section
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                      "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                          "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 
 
 class TensorParallelConfig(Section):
@@ -29,7 +30,7 @@ class PipelineParallelConfig(Section):
     stages per rank and optional explicit stage boundaries (first layer of stages 1..S-1)."""
 
     size: PosInt = 1
-    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
+    schedule: PipelineSchedule = "1f1b"
     micro_batches: PosInt | None = None
     layers: Annotated[str, Strict()] = ""
     first: list[Annotated[str, Strict(), Field(min_length=1)]] = Field(default_factory=list)

@@ -1,6 +1,7 @@
 """`optimizer` and `scheduler`: a type (any case, stored in its canonical spelling) and params
 checked against that type's own model, so a misspelt param is an unknown key."""
 
+import builtins  # the sections' own ``type`` field shadows the builtin in their bodies
 from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -132,7 +133,7 @@ class _TypedSection(Section):
     params: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
-    def params_model(cls, kind: Any) -> type[Section] | None:
+    def params_model(cls, kind: Any) -> builtins.type[Section] | None:
         """The params model for `kind` in any case, or None if it is not a known type."""
         lower = str(kind).lower()
         return next((model for name, model in cls.kinds.items() if name.lower() == lower), None)

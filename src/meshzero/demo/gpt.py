@@ -140,6 +140,7 @@ class GPT(nn.Module):
         T = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(start, start + T, device=idx.device))
         for block, cache in zip(self.blocks, caches, strict=True):
+            assert isinstance(block, Block)  # the stack holds Blocks only
             x = block.decode(x, cache)
         return self.head(self.ln_f(x))
 

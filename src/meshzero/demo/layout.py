@@ -13,7 +13,7 @@ from meshzero.parallel.pipeline_split import PipelineLayout
 def gpt_embed(stage: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     """(B, T) bytes -> (B, T, C): token + position embeddings of the demo GPT."""
     pos = torch.arange(idx.shape[1], device=idx.device)
-    return stage.tok_emb(idx) + stage.pos_emb(pos)
+    return stage.get_submodule("tok_emb")(idx) + stage.get_submodule("pos_emb")(pos)
 
 
 # Embeddings on the first stage, ln_f + head on the last; the head is tied to tok_emb, so

@@ -60,7 +60,7 @@ def train_rank(opts: TrainOptions) -> dict[str, Any]:
     show = opts.show and dist.get_rank() == 0
     losses, seconds = _train(engine, corpus, opts, rank, show)
 
-    memory = [None] * dist.get_world_size()
+    memory: list[Any] = [None] * dist.get_world_size()  # all_gather_object fills in dicts
     dist.all_gather_object(memory, {"rank": dist.get_rank(), "memory": engine.memory_report(),
                                     "peak_rss": _peak_rss()})
     state = engine.full_state_dict()  # a collective: every rank takes part

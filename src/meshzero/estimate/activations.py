@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from meshzero.estimate.depth import Counts, DepthProbe, extrapolate_depth
+from meshzero.estimate.depth import Counts, DepthProbe, Mark, extrapolate_depth
 from meshzero.estimate.model import ModelSpec
 from meshzero.profiling.flops import FORMULAS
 
@@ -58,10 +58,10 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.flops = 0
         self._refs: dict[int, weakref.ref] = {}
-        self.marks: list[tuple[object, int]] = []  # (label, peak of the segment it ends)
+        self.marks: list[tuple[Mark, int]] = []  # (label, peak of the segment it ends)
         self._segment_peak = 0
 
-    def mark(self, label: object) -> None:
+    def mark(self, label: Mark) -> None:
         """End the current segment (its peak is recorded under ``label``), start the next."""
         self.marks.append((label, self._segment_peak))
         self._segment_peak = self.live

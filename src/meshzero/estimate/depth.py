@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -27,25 +27,32 @@ MIN_DEPTH = 6  # shallower stacks run whole
 PROBES = (2, 3, 4)
 SINGLE = ("pre", "post", "head", "end")  # segments that occur once per run
 
+# a segment boundary: "post"/"end", or (kind, block index) with kind "f", "fe", "b" or "be"
+Mark = str | tuple[str, int]
+
+
+class MarkSink(Protocol):
+    def mark(self, label: Mark) -> None: ...
+
 
 class Counts(NamedTuple):
     peak: int
     flops: int
     order: tuple[int, ...]  # forward order of units
-    marks: list[tuple[object, int]]  # (segment label, its peak)
+    marks: list[tuple[Mark, int]]  # (segment label, its peak)
 
 
 class DepthProbe:
     """Marks segment boundaries on the counter around each block's forward and backward."""
 
     def __init__(self, blocks: list[nn.Module]):
-        self.counter = None  # set by each run
+        self.counter: MarkSink | None = None  # set by each run
         self.handles = []
         for i, block in enumerate(blocks):
             self.handles.append(block.register_forward_pre_hook(self._before(i)))
             self.handles.append(block.register_forward_hook(self._after(i)))
 
-    def _mark(self, label: object) -> None:
+    def _mark(self, label: Mark) -> None:
         if self.counter is not None:
             self.counter.mark(label)
 
@@ -110,7 +117,7 @@ def extrapolate_depth(model: nn.Module, unit_paths: list[str],
     path, stack = found
     full = stack._modules
     depth = len(full)
-    probe = DepthProbe(list(full.values()))
+    probe = DepthProbe([m for m in full.values() if m is not None])  # a stack holds no None
     runs: dict[int, Counts] = {}
     try:
         for k in PROBES:
@@ -133,7 +140,7 @@ def extrapolate_depth(model: nn.Module, unit_paths: list[str],
     return peak, flops[0] + (depth - k0) * (flops[1] - flops[0]), order, how
 
 
-def _segments(marks: list[tuple[object, int]], k: int) -> dict[str, dict[int, int]] | None:
+def _segments(marks: list[tuple[Mark, int]], k: int) -> dict[str, dict[int, int]] | None:
     """{segment kind: {block index: peak}} of a run at depth ``k``; None if the marks are not
     the expected ones (blocks run once each, in sequence).
 

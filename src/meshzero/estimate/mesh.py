@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from meshzero.estimate.activations import (
 )
 from meshzero.estimate.model import ModelSpec
 from meshzero.estimate.settings import Settings
+
+if TYPE_CHECKING:  # the parallel modules load lazily, when an estimate cuts a model
+    from meshzero.parallel.pipeline_split import StageModule
 
 
 @dataclass
@@ -100,7 +104,7 @@ def pipeline_layout_of(spec: ModelSpec, s: Settings, given=None):
 
 
 def _tp_plan(s: Settings) -> dict | None:
-    if s.tp == 1:
+    if s.tp == 1 or s.tp_plan is None:  # the config requires a plan when tp > 1
         return None
     from meshzero.parallel.plans import shipped_plan
 
@@ -119,9 +123,10 @@ def rank_modules(spec: ModelSpec, s: Settings, layout, group) -> list[RankModule
         if plan is not None:
             match_plan(model, parse_plan(plan))
         if s.pp == 1:
-            local = apply_tensor_parallel(model, plan, group) if plan is not None else model
-            return [RankModule(0, local)]
+            whole = apply_tensor_parallel(model, plan, group) if plan is not None else model
+            return [RankModule(0, whole)]
         stage_modules, ranks = _cut(model, s, layout)
+        shown: list[nn.Module] = list(stage_modules)  # a rank's tp-cut stage replaces its own
         out = []
         for r in range(s.pp):
             local = [st for st in range(len(stage_modules)) if ranks[st] == r]
@@ -133,15 +138,14 @@ def rank_modules(spec: ModelSpec, s: Settings, layout, group) -> list[RankModule
                 own = {k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in names)}
                 module = apply_tensor_parallel(module, own, group)
                 if len(local) == 1:
-                    stage_modules[local[0]] = module
-            out.append(RankModule(r, module, {st: stage_modules[st] for st in local},
-                                  len(stage_modules)))
+                    shown[local[0]] = module
+            out.append(RankModule(r, module, {st: shown[st] for st in local}, len(shown)))
         return out
     except ValueError as exc:
         raise ValueError(f"{spec.name}: {exc}") from None
 
 
-def _cut(model: nn.Module, s: Settings, layout) -> tuple[list[nn.Module], list[int]]:
+def _cut(model: nn.Module, s: Settings, layout) -> tuple[list[StageModule], list[int]]:
     from meshzero.parallel.pipeline import V_SCHEDULES, _cut, _stages_per_rank, stage_rank
 
     num_stages = s.pp * _stages_per_rank(s.pp_schedule, s.pp_stages_per_rank)

@@ -77,8 +77,8 @@ def load_model(source: str | nn.Module | Callable[[], nn.Module] | None = None, 
                params: int | str | None = None, largest_unit: int | str | None = None,
                inputs: InputsFn | str | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from any of the sources in the module docstring."""
-    if isinstance(inputs, str):
-        inputs = import_object(inputs, "inputs")
+    make_inputs: InputsFn | None = (import_object(inputs, "inputs") if isinstance(inputs, str)
+                                     else inputs)
     if source is None:
         if params is None:
             raise ValueError("no model: give an import path 'pkg.mod:factory', a Hugging Face "
@@ -89,21 +89,21 @@ def load_model(source: str | nn.Module | Callable[[], nn.Module] | None = None, 
     if params is not None or largest_unit is not None:
         raise ValueError("give either a model or --params/--largest-unit, not both")
     if isinstance(source, nn.Module):
-        return ModelSpec(type(source).__name__, source, "module", inputs,
+        return ModelSpec(type(source).__name__, source, "module", make_inputs,
                          default_seq_len(source))
     if callable(source):
         model = _build(source, getattr(source, "__name__", repr(source)))
-        return ModelSpec(getattr(source, "__name__", repr(source)), model, "module", inputs,
+        return ModelSpec(getattr(source, "__name__", repr(source)), model, "module", make_inputs,
                          default_seq_len(model))
     if not isinstance(source, str):
         raise ValueError(f"model must be an import path, a config.json path, an nn.Module or "
                          f"a callable; got {type(source).__name__}")
     path = Path(source)
     if source.endswith(".json") or path.is_dir():
-        return hf_model(path, inputs)
+        return hf_model(path, make_inputs)
     factory = import_object(source, "model factory")
     model = _build(factory, source)
-    return ModelSpec(source, model, "module", inputs, default_seq_len(model))
+    return ModelSpec(source, model, "module", make_inputs, default_seq_len(model))
 
 
 def import_object(spec: str, what: str) -> Any:

@@ -30,24 +30,25 @@ TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
 ASSUMED_OPTIMIZER = "AdamW"  # no optimizer block: the client's optimizer, assumed AdamW
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Cluster:
     """``nodes`` x ``gpus_per_node`` data-parallel ranks; memory sizes in bytes (or "80GB")."""
 
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu_memory: int | str = "80GB"
-    host_memory: int | str = "1TB"
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int  # bytes: a size string is parsed on construction
+    host_memory: int
 
-    def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            value = getattr(self, name)
+    def __init__(self, nodes: int = 1, gpus_per_node: int = 8,
+                 gpu_memory: int | str = "80GB", host_memory: int | str = "1TB") -> None:
+        for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster: {name} must be a positive integer, got {value!r} "
                                  "(a cluster needs at least one node with one GPU)")
-        for name in ("gpu_memory", "host_memory"):
+            object.__setattr__(self, name, value)
+        for name, size in (("gpu_memory", gpu_memory), ("host_memory", host_memory)):
             try:
-                object.__setattr__(self, name, parse_size(getattr(self, name)))
+                object.__setattr__(self, name, parse_size(size))
             except ValueError as exc:
                 raise ValueError(f"cluster: {name}: {exc}") from None
 
@@ -76,7 +77,7 @@ class Settings:
     def replace(self, **overrides: Any) -> Settings:
         """These settings with ``overrides`` (names as :func:`settings_from_config`)."""
         check_names(overrides)
-        own = {k: overrides.get(k) for k in OWN_KEYS}
+        own: dict[str, Any] = {k: overrides.get(k) for k in OWN_KEYS}
         own = {k: getattr(self, k) if v is None else v for k, v in own.items()}
         config = with_keys(self.config, overrides)
         # the batch is per rank already, so any data-parallel size resolves it the same way

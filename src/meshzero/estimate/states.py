@@ -114,16 +114,15 @@ class ModelStates:
                 per_rank += fragments * s.state_bytes_per_fragment
                 continue
             shard = g.shard_numel
-            elements = (g.numel - ranks * shard).clamp(0, shard)
+            owned = (g.numel - ranks * shard).clamp(0, shard)
             # a parameter [start, end) has a fragment on ranks start // S .. (end - 1) // S
             first = torch.tensor(index.starts, dtype=torch.int64) // shard
             last = (torch.tensor(index.ends, dtype=torch.int64) - 1) // shard
             diff = torch.zeros(self.world_size + 1, dtype=torch.int64)
             diff.index_add_(0, first, torch.ones_like(first))
             diff.index_add_(0, last + 1, -torch.ones_like(last))
-            fragments = diff.cumsum(0)[:-1]
-            per_rank += elements * s.state_bytes_per_element
-            per_rank += fragments * s.state_bytes_per_fragment
+            per_rank += owned * s.state_bytes_per_element
+            per_rank += diff.cumsum(0)[:-1] * s.state_bytes_per_fragment
         rank = int(per_rank.argmax())
         return rank, self.report(rank)
 
@@ -178,7 +177,8 @@ class ModelStates:
                     ) -> set[int]:
         """The units after ``pos`` the engine gathers ahead (sharded_params._prefetch)."""
         s = self.settings
-        budget, out = s.prefetch_bucket_size, set()
+        budget = s.prefetch_bucket_size
+        out: set[int] = set()
         for u in seq[pos + 1:]:
             if u == seq[pos]:
                 continue

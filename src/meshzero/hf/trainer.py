@@ -156,8 +156,9 @@ class MeshzeroTrainer(Trainer):
         self.engine = engine
         if resume_from_checkpoint is not None:
             engine.load_checkpoint(os.path.join(resume_from_checkpoint, MESHZERO_DIR))
-        self.optimizer = _EngineOptimizer(engine)
-        self.lr_scheduler = _EngineSchedule(engine)
+        # duck-typed stand-ins: the Trainer calls only the methods they define
+        self.optimizer = _EngineOptimizer(engine)  # type: ignore[assignment]
+        self.lr_scheduler = _EngineSchedule(engine)  # type: ignore[assignment]
         self.model_wrapped = engine
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
@@ -167,9 +168,13 @@ class MeshzeroTrainer(Trainer):
     def _optimizer(self) -> tuple[Callable, list[dict[str, Any]]]:
         """The Trainer's optimizer choice as a factory over fragment groups, and its groups
         (weight decay except on the parameters the Trainer exempts)."""
-        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-        decay = set(self.get_decay_parameter_names(self.model))
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        model = self.model
+        assert model is not None  # Trainer.__init__ requires a model or model_init
+        # Trainer.create_optimizer passes its model (any nn.Module) the same way; the
+        # annotation says PreTrainedModel only
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)  # type: ignore[arg-type]
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -212,6 +217,7 @@ class MeshzeroTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(engine, inputs, num_items_in_batch=num_items_in_batch)
+        assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         del inputs
         if not self._loss_scaled_for_accumulation(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps
@@ -261,6 +267,7 @@ class MeshzeroTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        assert output_dir is not None  # TrainingArguments defaults it to "trainer_output"
         self.engine.save_16bit_model(output_dir)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)

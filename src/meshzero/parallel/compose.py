@@ -48,7 +48,9 @@ def cut_pipeline(model: nn.Module, pp: Any, *, topology: Topology, device: torch
                          "sequence")
     layout = pipeline_layout or PipelineLayout(layers=pp.layers, first=tuple(pp.first),
                                                last=tuple(pp.last))
-    pipe = build_pipeline(model, pp_group=topology.groups["pp"], schedule=pp.schedule,
+    pp_group = topology.groups["pp"]
+    assert pp_group is not None  # a pipeline is cut only when pp.size > 1, which makes the group
+    pipe = build_pipeline(model, pp_group=pp_group, schedule=pp.schedule,
                           micro_batches=micro_batches, loss_fn=loss_fn,
                           example_inputs=example_inputs, layout=layout,
                           stages_per_rank=pp.stages_per_rank, boundaries=pp.boundaries,

@@ -162,13 +162,17 @@ def prune_into(skeleton: nn.Module, root: nn.Module, names: Sequence[str]) -> No
         owner, leaf, kind = _resolve(root, name)
         dst, src = skeleton, root
         for part in name.split(".")[:-1]:
-            src = src._modules[part]
+            child = src._modules[part]
+            assert child is not None  # _resolve found ``name``: every module on its path exists
+            src = child
             if dst._modules.get(part) is None:
                 # Same container type keeps ZeRO's "repeated siblings" unit policy working;
                 # other classes may need constructor arguments, so a plain Module stands in.
                 holder = type(src)() if type(src) in _CONTAINERS else nn.Module()
                 dst._modules[part] = holder
-            dst = dst._modules[part]
+            next_dst = dst._modules[part]
+            assert next_dst is not None  # set just above if it was missing
+            dst = next_dst
         if kind == "module":
             dst._modules[leaf] = owner._modules[leaf]
         elif kind == "parameter":

@@ -66,7 +66,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ def parse_plan(plan: Mapping[str, str | Mapping[str, Any]]) -> dict[str, PlanEnt
     out: dict[str, PlanEntry] = {}
     for pattern, value in plan.items():
         where = f"tensor-parallel plan entry {pattern!r}"
-        raw = {"style": value} if isinstance(value, str) else value
+        raw: Mapping[str, Any] = {"style": value} if isinstance(value, str) else value
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where}: expected a style name or a dict, got {value!r}")
         unknown = sorted(set(raw) - set(_ENTRY_KEYS))
@@ -168,7 +168,7 @@ def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
-        return module.nx, module.nf, True
+        return cast(int, module.nx), cast(int, module.nf), True  # Conv1D stores ints
     return None
 
 
@@ -255,7 +255,10 @@ def parallel_gpt_attention(name: str, module: nn.Module, ctx: TensorParallelCont
                            ) -> nn.Module:
     """Plan hook: the demo GPT's attention computing with its rank's heads (``n_head`` is
     already divided by the plan's ``divide_attrs``)."""
-    return ParallelCausalSelfAttention(module.qkv, module.proj, module.n_head)
+    n_head = module.n_head
+    assert isinstance(n_head, int)  # the demo's CausalSelfAttention stores its head count
+    return ParallelCausalSelfAttention(module.get_submodule("qkv"), module.get_submodule("proj"),
+                                       n_head)
 
 
 GPT_PLAN: dict[str, str | dict[str, Any]] = {

@@ -391,9 +391,12 @@ def _empty_layer(module: nn.Module, entry: PlanEntry, ctx: TensorParallelContext
         "dtype": module.weight.dtype,
         "sequence_parallel": ctx.sequence_parallel and entry.sequence_parallel}
     if entry.style == "vocab":
+        assert isinstance(module, nn.Embedding)  # validate_entry refused any other module
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim,
                                       module.padding_idx, **common)
-    in_features, out_features, transposed = linear_dims(module)
+    dims = linear_dims(module)
+    assert dims is not None  # validate_entry refused a module that is not linear-like
+    in_features, out_features, transposed = dims
     bias = module.bias is not None
     if entry.style == "rowwise":
         layer: TensorParallelLayer = RowParallelLinear(in_features, out_features, bias, **common)
@@ -429,7 +432,7 @@ def _check_ties(model: nn.Module, layers: dict[str, TensorParallelLayer]) -> Non
                                  "same way")
 
 
-def _shard_param(full: torch.Tensor, layout: ShardLayout | None, ctx: TensorParallelContext,
+def _shard_param(full: nn.Parameter, layout: ShardLayout | None, ctx: TensorParallelContext,
                  shards: dict[int, tuple[torch.Tensor, nn.Parameter]]) -> nn.Parameter:
     """This rank's shard of ``full`` as a new parameter, made once per tensor (ties stay
     ties); a replicated parameter (``layout`` None: a row-parallel bias) is kept as it is.

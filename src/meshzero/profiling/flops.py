@@ -56,6 +56,14 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+class Seconds(dict[str, float]):
+    """Seconds per module path; a path never timed reads 0.0 without being added (as a
+    Counter, whose values are typed int)."""
+
+    def __missing__(self, key: str) -> float:
+        return 0.0
+
+
 class _CountingMode(TorchDispatchMode):
     def __init__(self, counter: FlopCounter):
         super().__init__()
@@ -82,7 +90,7 @@ class FlopCounter:
         self.sync = sync or (lambda: None)  # torch.cuda.synchronize on GPU
         self.paths = {m: p for p, m in root.named_modules()}
         self.counts: dict[str, Counter[str]] = {ph: Counter() for ph in PHASES}
-        self.latency: dict[str, Counter[str]] = {ph: Counter() for ph in PHASES}
+        self.latency: dict[str, Seconds] = {ph: Seconds() for ph in PHASES}
         self.phase = "forward"
         self._active: Counter[str] = Counter()
         self._entered: dict[tuple[str, str], list[float]] = defaultdict(list)

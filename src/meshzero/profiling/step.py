@@ -209,7 +209,11 @@ def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = 
             tensors = [out] if isinstance(out, torch.Tensor) else [
                 t for t in (out.values() if isinstance(out, dict) else out)
                 if isinstance(t, torch.Tensor)]
-            sum(t.float().sum() for t in tensors if t.requires_grad).backward()
+            sums = [t.float().sum() for t in tensors if t.requires_grad]
+            if not sums:
+                raise ValueError("profiling a backward needs an output that requires grad; "
+                                 "the model returned none")
+            sum(sums[1:], sums[0]).backward()
             counter.set_phase("step")
         sync()
         t2 = time.perf_counter()

@@ -18,6 +18,7 @@ def fragment_views(groups: Iterable[FlatGroup], *, for_load: bool
     for group in groups:
         lo, hi = group.owned
         if group.trainable:
+            assert group.master is not None  # a trainable group holds its master shard
             target = group.master
         elif group.sharded:  # frozen, stage 3: the shard is the owned range
             target = group.shard

@@ -164,7 +164,8 @@ class Materializer:
         for kind, name, meta in work.tensors:
             own = creator[id(meta)] == id(module)
             if own and kind == "_parameters":
-                real = nn.Parameter(self._take(meta), requires_grad=meta.requires_grad)
+                real: torch.Tensor = nn.Parameter(self._take(meta),
+                                                  requires_grad=meta.requires_grad)
             else:  # buffers outlive their unit; scratch tensors die after the init
                 real = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype,
                                            device="cpu")
@@ -213,10 +214,11 @@ class Materializer:
         return flat.as_strided(meta.shape, meta.stride())
 
     def _run_init(self, work: _Work, has_own: bool) -> None:
+        reset = getattr(work.module, "reset_parameters", None)
         if self.init_fn is not None:
             self.init_fn(work.module)
-        elif callable(getattr(work.module, "reset_parameters", None)):
-            work.module.reset_parameters()
+        elif callable(reset):
+            reset()
         elif has_own:
             names = [name for _, name, _ in work.tensors]
             raise ValueError(

@@ -95,7 +95,8 @@ def forget_dead() -> None:
 
 def unmark_sharded(param: nn.Parameter) -> None:
     _OWNERS.pop(id(param), None)
-    if type(param) is ShardedParameter:
+    cls: type = type(param)  # compared untyped: narrowing would fix param's class statically
+    if cls is ShardedParameter:
         param.__class__ = nn.Parameter
 
 

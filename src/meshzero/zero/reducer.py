@@ -54,7 +54,7 @@ class GradientReducer:
         self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
         self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
         self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
-        self.inflight: deque[tuple[Handle, Callable[[], None], int]] = deque()
+        self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
         self._reduce_now = False
@@ -79,6 +79,7 @@ class GradientReducer:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
+            assert param.grad is not None  # the hook runs after the gradient is accumulated
             with torch.no_grad():
                 group.accumulate(index, param.grad)
             param.grad = None
@@ -104,14 +105,14 @@ class GradientReducer:
                 for g in groups:
                     if not g.trainable:
                         continue
-                    grad_in_full = g.grad is not None and (
-                        g.grad.untyped_storage().data_ptr()
-                        == g.grad_full.untyped_storage().data_ptr())
-                    if grad_in_full:
-                        self._set_aside.append((g, g.grad.clone()))
+                    grad, full = g.grad, g.grad_full
+                    assert full is not None  # a trainable group has its flat gradient
+                    if grad is not None and (grad.untyped_storage().data_ptr()
+                                             == full.untyped_storage().data_ptr()):
+                        self._set_aside.append((g, grad.clone()))
                     else:  # a separate (offloaded) gradient: the new sum is added to it
                         self._add_to_reduced.add(id(g))
-                    g.grad_full.zero_()
+                    full.zero_()
 
     def _unit_ready(self, unit: int) -> None:
         self.ready[unit] = True
@@ -147,6 +148,7 @@ class GradientReducer:
         self.drain()
         with torch.no_grad():
             for g, reduced in self._set_aside:
+                assert g.grad is not None  # set aside only where the group had its gradient
                 g.grad.add_(reduced)
         self._set_aside.clear()
         self._add_to_reduced.clear()
@@ -178,7 +180,7 @@ class GradientReducer:
         if self.unreduced[unit] == 0 and self.on_unit_reduced is not None:
             self.on_unit_reduced(unit)
 
-    def _reduce(self, group: FlatGroup, unit: int) -> tuple[Handle, Callable[[], None]]:
+    def _reduce(self, group: FlatGroup, unit: int) -> tuple[Handle, Callable[[], object]]:
         src = group.grad_target()
         send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
         if self.predivide != 1.0:  # never in place on src: it may be read after the reduction
@@ -188,7 +190,8 @@ class GradientReducer:
             return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)
         direct = (self.stage >= 2 and self.grads_are_zero and group.grad is not None
                   and send.dtype == group.grad.dtype and send.device == group.grad.device)
-        out = group.grad if direct else torch.empty_like(send[: group.layout.shard_numel])
+        out = (group.grad if direct and group.grad is not None
+               else torch.empty_like(send[: group.layout.shard_numel]))
         handle = self.comm.reduce_scatter(out, send)
         accumulate = (self.stage >= 2 and not self.grads_are_zero) or \
             id(group) in self._add_to_reduced

@@ -65,6 +65,7 @@ class ShardedOptimizerState:
                   resident: bool) -> None:
         a, b = frag.local_offset, frag.local_offset + frag.numel
         if resident:
+            assert group.master is not None and group.grad is not None  # trainable group
             leaf = nn.Parameter(group.master[a:b], requires_grad=True)
             grad_view = group.grad[a:b]
             leaf.grad = grad_view

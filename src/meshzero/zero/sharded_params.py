@@ -124,14 +124,16 @@ class ParameterSharder:
             return
         handles = []
         secondary = self.secondary.pop(unit, None)
-        self._check_order(unit, self.comm if secondary is None else self.secondary_comm)
+        comm = self.comm if secondary is None else self.secondary_comm
+        assert comm is not None  # secondary shards are kept only with a secondary communicator
+        self._check_order(unit, comm)
         for i, g in enumerate(self.units[unit]):
             alloc_storage(g.full)
             self._unit_of_storage[g.full.untyped_storage().data_ptr()] = unit
             self.memory.add(g.full_nbytes)
             if secondary is not None:  # hpZ: from the secondary shards, inside the node
                 self.memory.add(-secondary[i].numel() * secondary[i].element_size())
-                handles.append(self.secondary_comm.all_gather(g.full, secondary[i]))
+                handles.append(comm.all_gather(g.full, secondary[i]))
             else:
                 handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
@@ -159,6 +161,7 @@ class ParameterSharder:
     def _keep_secondary(self, unit: int) -> None:
         """hpZ, after forward: keep this rank's 1/k of the gathered unit for backward."""
         comm = self.secondary_comm
+        assert comm is not None  # called only with hpZ (a secondary communicator)
         if unit in self.secondary:  # a unit run twice in one forward: kept already
             return
         kept = []

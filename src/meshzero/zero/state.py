@@ -287,6 +287,7 @@ class ZeroModelState:
         """The whole flat buffer of ``group`` in fp32 on the CPU (collective at stages 1-3)."""
         with torch.no_grad():
             if group.trainable:
+                assert group.master is not None  # a trainable group holds its master shard
                 local = group.master
                 if group.owned == (0, group.layout.padded_numel):
                     return local.detach().float().cpu()

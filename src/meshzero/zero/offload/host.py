@@ -125,6 +125,7 @@ class HostTier(Tier):
             groups = [g for g in self.units[unit] if g.trainable]
             if scale != 1.0:
                 for g in groups:
+                    assert g.grad is not None  # a trainable group holds its gradient shard
                     g.grad.mul_(scale)
             step_subset(self.optimizer, self._unit_subsets[unit])
             for g in groups:

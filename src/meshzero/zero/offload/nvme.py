@@ -38,9 +38,12 @@ def probe_write(path: str) -> None:
     os.unlink(probe)
 
 
-def check_nvme_path(key: str, path: str, needed: int) -> None:
+def check_nvme_path(key: str, path: str | None, needed: int) -> None:
     """ValueError naming ``key`` unless ``path`` is a writable directory with ``needed``
     bytes free."""
+    if path is None:
+        raise ValueError(f"{key} is not set; give an existing, writable directory on the "
+                         "NVMe drive")
     if not os.path.exists(path):
         raise ValueError(f"{key} = {path!r} does not exist; give an existing, writable "
                          "directory on the NVMe drive")

@@ -75,7 +75,7 @@ class Tile:
     first_leaf: int  # leaves of a tile have consecutive indices
     leaves: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (leaf, a, b)
     names: list[str] = field(default_factory=list)
-    subset: list[list[nn.Parameter]] = field(default_factory=list)  # leaves per param group
+    subset: list[list[torch.Tensor]] = field(default_factory=list)  # leaves per param group
 
     @property
     def numel(self) -> int:

@@ -380,6 +380,7 @@ class NvmeStore:
         # numpy, which pins their storage size
         for g in self.groups:
             if g.trainable:
+                assert g.master is not None  # a trainable group holds its master shard
                 g.master = torch.empty_like(g.master)
                 self.file("master", self.gen).read(g.space_offset, g.master, "master")
             if g.sharded and self.options.param == "nvme":
@@ -403,6 +404,7 @@ class NvmeStore:
     def _write_back(self, optimizer: torch.optim.Optimizer, index: list) -> None:
         for g in self.groups:
             if g.trainable:
+                assert g.master is not None  # a trainable group holds its master shard
                 self.file("master", self.gen).write(g.space_offset, g.master, "master")
                 src = g.owned_params()
                 self.file("params", self.gen).write(g.space_offset, src.contiguous().cpu(),
@@ -427,6 +429,7 @@ class NvmeStore:
             leaf.data = self._leaf_ph[id(leaf)]
         for g in self.groups:
             if g.trainable:
+                assert g.master is not None  # a trainable group holds its master shard
                 g.master = placeholder(g.master.numel(), g.master.dtype)
             if g.sharded and self.options.param == "nvme":
                 g.shard = placeholder(g.shard.numel(), g.shard.dtype)
