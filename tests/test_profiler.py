@@ -384,7 +384,7 @@ def test_summary_and_json_carry_every_number(tmp_path):
 @pytest.mark.parametrize("block, key", [
     ({"recompute_fwd_factor": 1.0}, "flops_profiler.recompute_fwd_factor"),
     ({"enabeld": True}, "flops_profiler.enabeld"),
-    ({"profile_step": -1}, "flops_profiler.profile_step"),
+    ({"profile_step": -2}, "flops_profiler.profile_step"),
 ])
 def test_bad_profiler_config_names_the_key(block, key):
     config = {"train_batch_size": 2, "flops_profiler": block}
