@@ -72,6 +72,13 @@ class OpStats:
                 end = stop
         return total
 
+    def add(self, other: OpStats) -> None:
+        """Sum ``other`` into this (its intervals too, so the union stays right)."""
+        self.count += other.count
+        self.bytes += other.bytes
+        self.intervals += other.intervals
+        self.exposed_seconds += other.exposed_seconds
+
     def as_dict(self) -> dict[str, float | int]:
         return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds,
                 "exposed_seconds": self.exposed_seconds}
@@ -124,10 +131,7 @@ class CommStats:
         split: dict[str, dict] = {}
         for (_, op, phase), s in self.ops.items():
             acc = out.setdefault(op, OpStats())
-            acc.count += s.count
-            acc.bytes += s.bytes
-            acc.intervals += s.intervals
-            acc.exposed_seconds += s.exposed_seconds
+            acc.add(s)
             where = "inter_node_bytes" if s.inter_node else "intra_node_bytes"
             per_op = split.setdefault(op, {"intra_node_bytes": 0, "inter_node_bytes": 0,
                                            "phases": {}})
@@ -137,6 +141,15 @@ class CommStats:
             per_phase["bytes"] += s.bytes
             per_phase[where] += s.bytes
         return {op: {**s.as_dict(), **split[op]} for op, s in sorted(out.items())}
+
+    def by_group(self) -> dict[tuple[str, str], dict]:
+        """``{(op, group): {count, bytes, seconds, exposed_seconds}}`` summed over phases (the
+        comms_logger's lines: by_op() sums the groups away)."""
+        out: dict[tuple[str, str], OpStats] = {}
+        for (group, op, _), s in self.ops.items():
+            acc = out.setdefault((op, group), OpStats())
+            acc.add(s)
+        return {key: s.as_dict() for key, s in sorted(out.items())}
 
 
 class Handle:

@@ -21,7 +21,7 @@ from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
-from meshzero.profiling.monitor import Monitor
+from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.step import StepProfiler, emit
 from meshzero.topology import Topology
@@ -113,6 +113,9 @@ class Engine(nn.Module):
         self._last_peak = self.zero.memory.peak
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._step_loss = 0.0  # mean loss of the step's micro-batches, for the monitors
+        # the global grad norm (unscaled, before clipping) of the last step, when clipping
+        # computed one (None: no clipping, an fp16 overflow, or no step yet)
+        self.last_grad_norm: float | None = None
         self._profiler: StepProfiler | None = None
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
@@ -201,6 +204,7 @@ class Engine(nn.Module):
         count_p2p(pipe, self.topology, self.comm_stats)
         self.zero.reduce_held_gradients()
         self.micro_steps += self.grad_accum - 1
+        self._step_loss = float(loss)
         self.step()
         assert loss is not None  # broadcast_loss=True: every stage returns the loss
         return loss
@@ -261,6 +265,7 @@ class Engine(nn.Module):
             self._profiler.counter.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
+        self.last_grad_norm = None
         if self.zero.finish_unit_steps():  # the tier stepped every unit in backward
             state.sync_params(copy=False)
             self._finish_step(overflow=False, t0=t0)
@@ -293,12 +298,6 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.micro_steps += 1
         self._times["step"] += time.perf_counter() - t0
-        if self.monitor is not None:
-            self.monitor.write_step(
-                samples=self.global_steps * self.global_batch, loss=self._step_loss,
-                lr=self.get_lr()[0], loss_scale=self.loss_scaler.scale,
-                skipped_steps=self.skipped_steps, step_time=sum(self._times.values()))
-            self._step_loss = 0.0
         self._close_window()
 
     def _close_window(self) -> None:
@@ -315,7 +314,27 @@ class Engine(nn.Module):
             if self.config.wall_clock_breakdown:
                 logger.info("step %d time (s) forward %.4f backward %.4f step %.4f",
                             self.global_steps, *self._times.values())
+            if self.topology.rank == 0:
+                self._write_reports()
         self._times = dict.fromkeys(self._times, 0.0)
+        self._step_loss = 0.0
+
+    def _write_reports(self) -> None:
+        """The monitors' events and the comms_logger lines of this step (rank 0)."""
+        samples = self.global_steps * self.global_batch
+        events = []
+        if self.config.comms_logger.enabled:
+            rows = comm_rows(self.comm_stats.by_group(), self.config.comms_logger)
+            for op, group, st in rows:
+                logger.info("step %d comm %s group %s count %d bytes %d time %.6f s",
+                            self.global_steps, op, group, st["count"], st["bytes"],
+                            st["seconds"])
+            events = comm_events(rows, samples)
+        if self.monitor is not None:
+            self.monitor.write(step_events(StepRecord(
+                samples, self._step_loss, self.get_lr()[0], self.loss_scaler.scale,
+                self.skipped_steps, sum(self._times.values()), self.last_grad_norm,
+                self.memory_report(), self.comm_report())) + events)
 
     def gathered(self, params: Iterable[torch.Tensor]):
         """``with engine.gathered(params):`` the full values of ``params`` inside the block at

@@ -1,5 +1,5 @@
-"""Config sections of DeepSpeed's monitors: `tensorboard`, `wandb` and `csv_monitor`, with
-DeepSpeed's keys and defaults."""
+"""Config sections of DeepSpeed's monitors: `tensorboard`, `wandb` and `csv_monitor`, and its
+`comms_logger`, with DeepSpeed's keys and defaults."""
 
 from typing import Annotated
 
@@ -34,3 +34,16 @@ class CSVMonitorConfig(Section):
     enabled: Bool = False
     output_path: Text = ""
     job_name: Name = "DeepSpeedJobName"
+
+
+class CommsLoggerConfig(Section):
+    """`comms_logger`: every `steps_per_print` steps, one `meshzero` INFO line per (op, group)
+    of the step's collectives (count, bytes, seconds), also written to the enabled monitors.
+    `prof_all: false` keeps the ops named in `prof_ops`. `verbose` and `debug` (DeepSpeed's
+    per-call print and caller names) are accepted and change nothing: the lines are per step."""
+
+    enabled: Bool = False
+    verbose: Bool = False
+    prof_all: Bool = True
+    prof_ops: list[Name] = Field(default_factory=list)
+    debug: Bool = False

@@ -14,7 +14,12 @@ from meshzero.config.batch import (
     resolve_batch,
 )
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
-from meshzero.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
+from meshzero.config.monitor import (
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
 from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
 from meshzero.config.profiler import FlopsProfilerConfig
@@ -51,6 +56,7 @@ class Config(BaseModel):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())

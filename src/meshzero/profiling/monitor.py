@@ -1,14 +1,18 @@
-"""DeepSpeed's monitors: the training events of each optimizer step, written from rank 0 to
-TensorBoard, Weights & Biases and CSV files as the config's `tensorboard`, `wandb` and
-`csv_monitor` blocks ask.
+"""DeepSpeed's monitors: the training events of every `steps_per_print`-th optimizer step,
+written from rank 0 to TensorBoard, Weights & Biases and CSV files as the config's
+`tensorboard`, `wandb` and `csv_monitor` blocks ask, and the `comms_logger` lines.
 
 The events keep DeepSpeed's names and x axis (samples seen so far): Train/Samples/train_loss
 (the mean loss of the step's micro-batches), Train/Samples/lr (first param group),
-Train/Samples/loss_scale, plus meshzero's Train/Samples/skipped_steps (fp16 overflows so far)
-and Train/Samples/step_time (seconds of forward, backward and step). CSV needs nothing
-installed; TensorBoard needs the `tensorboard` package and W&B the `wandb` package (the
-`meshzero[tensorboard]` and `meshzero[wandb]` extras); an enabled block whose package is
-missing fails at ``initialize``, on every rank, naming it.
+Train/Samples/loss_scale, plus meshzero's own under the same prefix: skipped_steps (fp16
+overflows so far), step_time (seconds of forward, backward and step), grad_norm (the global
+norm before clipping; only when gradient_clipping computes it), memory_{device,host,nvme}_bytes
+(engine.memory_report() summed by tier), memory_gathered_peak_bytes, and
+comm_{intra,inter}_node_bytes (engine.comm_report() of the step). With comms_logger enabled,
+Comms/<op>/<group>/{count,bytes,seconds} too. CSV needs nothing installed; TensorBoard needs
+the `tensorboard` package and W&B the `wandb` package (the `meshzero[tensorboard]` and
+`meshzero[wandb]` extras); an enabled block whose package is missing fails at ``initialize``,
+on every rank, naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import csv
 import importlib
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,8 +88,13 @@ class WandbWriter:
         self.run = self.wandb.init(project=project, group=group, entity=team)
 
     def write(self, events: list[Event]) -> None:
+        # one W&B step per write, at DeepSpeed's step (samples seen): every event of a write
+        # shares it
+        by_x: dict[int, dict[str, float]] = {}
         for name, value, x in events:
-            self.run.log({name: value, "Train/Samples": x})
+            by_x.setdefault(x, {})[name] = value
+        for x, values in sorted(by_x.items()):
+            self.run.log(values, step=x)
 
     def close(self) -> None:
         self.run.finish()
@@ -121,12 +131,7 @@ class Monitor:
                 writers.append(CSVWriter(cm.output_path, cm.job_name))
         return cls(writers)
 
-    def write_step(self, *, samples: int, loss: float, lr: float, loss_scale: float,
-                   skipped_steps: int, step_time: float) -> None:
-        events = [("Train/Samples/train_loss", loss, samples), ("Train/Samples/lr", lr, samples),
-                  ("Train/Samples/loss_scale", loss_scale, samples),
-                  ("Train/Samples/skipped_steps", float(skipped_steps), samples),
-                  ("Train/Samples/step_time", step_time, samples)]
+    def write(self, events: list[Event]) -> None:
         for writer in self.writers:
             writer.write(events)
 
@@ -134,3 +139,63 @@ class Monitor:
         for writer in self.writers:
             writer.close()
         self.writers = []
+
+
+@dataclass
+class StepRecord:
+    """What the monitors write of one optimizer step (x: samples seen so far)."""
+
+    samples: int
+    loss: float
+    lr: float
+    loss_scale: float
+    skipped_steps: int
+    step_time: float
+    grad_norm: float | None  # None when the step computed none (no clipping, or overflow)
+    memory: dict  # engine.memory_report()
+    comm: dict  # engine.comm_report()
+
+
+def tier_bytes(memory: dict) -> dict[str, int]:
+    """Bytes at rest per tier, summed over memory_report()'s categories (its scalar
+    gathered_params_peak is a transient, not a tier's holding)."""
+    out = {"device": 0, "host": 0, "nvme": 0}
+    for tiers in memory.values():
+        if isinstance(tiers, dict):
+            for tier, nbytes in tiers.items():
+                out[tier] += nbytes
+    return out
+
+
+def step_events(r: StepRecord) -> list[Event]:
+    x = r.samples
+    values = {"train_loss": r.loss, "lr": r.lr, "loss_scale": r.loss_scale,
+              "skipped_steps": float(r.skipped_steps), "step_time": r.step_time}
+    if r.grad_norm is not None:
+        values["grad_norm"] = r.grad_norm
+    for tier, nbytes in tier_bytes(r.memory).items():
+        values[f"memory_{tier}_bytes"] = float(nbytes)
+    values["memory_gathered_peak_bytes"] = float(r.memory.get("gathered_params_peak", 0))
+    for where in ("intra_node", "inter_node"):
+        values[f"comm_{where}_bytes"] = float(sum(op[f"{where}_bytes"]
+                                                  for op in r.comm.values()))
+    return [(f"Train/Samples/{name}", value, x) for name, value in values.items()]
+
+
+def _profiled(op: str, wanted: list[str]) -> bool:
+    """DeepSpeed's prof_ops names the torch call (all_gather_into_tensor,
+    reduce_scatter_tensor, send): it matches meshzero's op it starts with, or that starts
+    with it (send -> send_recv)."""
+    return any(op == w or w.startswith(op + "_") or op.startswith(w + "_") for w in wanted)
+
+
+def comm_rows(by_group: dict[tuple[str, str], dict], config: Any) -> list[tuple[str, str, dict]]:
+    """(op, group, {count, bytes, seconds, ...}) of CommStats.by_group() that the
+    comms_logger block profiles (all ops, or with prof_all false those in prof_ops)."""
+    return [(op, group, stats) for (op, group), stats in by_group.items()
+            if config.prof_all or _profiled(op, config.prof_ops)]
+
+
+def comm_events(rows: list[tuple[str, str, dict]], samples: int) -> list[Event]:
+    return [(f"Comms/{op}/{group}/{key}", float(stats[key]), samples)
+            for op, group, stats in rows for key in ("count", "bytes", "seconds")]
