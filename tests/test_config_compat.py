@@ -105,7 +105,10 @@ def test_hints_logged_once_at_initialize() -> None:
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     records, log = _Records(), logging.getLogger("meshzero")  # propagate is off: attach here
     log.addHandler(records)
-    level, log.level = log.level, logging.INFO
+    # setLevel, not `log.level =`: it also clears the loggers' isEnabledFor caches, which an
+    # earlier test's INFO call at WARNING level would otherwise leave saying no
+    level = log.level
+    log.setLevel(logging.INFO)
     try:
         engine, *_ = meshzero.initialize(model=torch.nn.Linear(3, 2), config=raw)
     finally:
