@@ -45,8 +45,8 @@ warmup); `fp16.hysteresis` is restored only after a clean `loss_scale_window`, a
 scaler does; `stage3_gather_16bit_weights_on_model_save: false` at stage 3 makes
 `save_16bit_model` save nothing, as in DeepSpeed (not given: it saves); `fp16.auto_cast`:
 meshzero always casts floating inputs to the compute dtype; the monitors and `comms_logger`
-write every `steps_per_print` steps (docs/profiling.md, Monitors), and `comms_logger.verbose` and
-`comms_logger.debug` change nothing. meshzero's own keys:
+write every `steps_per_print` steps (docs/profiling.md, Monitors), and
+`comms_logger.verbose` and `comms_logger.debug` change nothing. meshzero's own keys:
 `zero_optimization.unit_classes`, `flops_profiler.peak_flops`, `seed`, `tensor_parallel`,
 `pipeline_parallel`, `topology`.
 """
