@@ -104,7 +104,6 @@ class Engine(nn.Module):
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.counters = StepCounters()
-        self.last_grad_norm: float | None = None  # before clipping; set when clipping is on
         # let the ZeRO tier step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
