@@ -203,9 +203,9 @@ class Engine(nn.Module):
         count_p2p(pipe, self.topology, self.comm_stats)
         self.zero.reduce_held_gradients()
         self.micro_steps += self.grad_accum - 1
+        assert loss is not None  # broadcast_loss=True: every stage returns the loss
         self._step_loss = float(loss)
         self.step()
-        assert loss is not None  # broadcast_loss=True: every stage returns the loss
         return loss
 
     def forward(self, *args, **kwargs):
