@@ -91,7 +91,7 @@ def train_steps(engine, batches, loss, grad_accum: int) -> list[float]:
 def _full_params(engine) -> dict[str, torch.Tensor]:
     """Full fp32 parameters under the original names: ZeRO gathers dp shards, then the tp
     and pp pieces are put together."""
-    from meshzero.parallel.tensor import gather_tensor_parallel_state_dict
+    from meshzero.parallel.tensor_state import gather_tensor_parallel_state_dict
 
     state = engine.full_state_dict()
     with torch.no_grad():  # the gathered fp32 values into the (tp/pp-local) module

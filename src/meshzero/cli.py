@@ -60,7 +60,7 @@ COMMANDS: dict[str, Command] = {
     "estimate": Command("memory per GPU and per node of a model, config and cluster",
                         "meshzero.estimate.command"),
     "plan": Command("the configs that fit a cluster, ranked by estimated step time",
-                    "meshzero.estimate.plan"),
+                    "meshzero.estimate.plan_command"),
 }
 
 

@@ -41,7 +41,7 @@ from meshzero.checkpoint.state import ModelNames, model_names
 from meshzero.checkpoint.training import TrainingState
 from meshzero.hf.files import hf_model_files, write_hf_model_files
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
-from meshzero.parallel.tensor import gather_tp_tensor
+from meshzero.parallel.tensor_state import gather_tp_tensor
 from meshzero.zero.fragment_views import fragment_views
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from meshzero.parallel.tensor import (
     TensorParallelLayer,
     VocabParallelEmbedding,
     apply_tensor_parallel,
-    gather_tensor_parallel_state_dict,
     is_tp_sharded,
 )
+from meshzero.parallel.tensor_state import gather_tensor_parallel_state_dict
 
 __all__ = [
     "GPT2_PLAN",

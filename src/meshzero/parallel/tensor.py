@@ -58,7 +58,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshzero.comm import all_gather_into
 from meshzero.parallel.plans import (
     LAYER_STYLES,
     REGION_STYLES,
@@ -295,43 +294,6 @@ class VocabParallelEmbedding(TensorParallelLayer):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}:"
                 f"{self.vocab_end} here), sequence_parallel={self.sequence_parallel}")
-
-
-@torch.no_grad()
-def gather_tensor_parallel_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None
-                                      ) -> dict[str, torch.Tensor]:
-    """The model's state dict with every tp-sharded parameter all-gathered into its full
-    tensor, under its original name and in its original shape and orientation (a converted
-    ``Conv1D`` weight comes back as (in, out)). Collective: every tp rank must call it."""
-    owners: dict[str, tuple[torch.Tensor, ShardLayout]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, TensorParallelLayer):
-            for name, layout in module.tp_layouts.items():
-                owners[f"{prefix}.{name}" if prefix else name] = (getattr(module, name), layout)
-    full_of: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if key not in owners:
-            out[key] = value.detach().clone()
-            continue
-        shard, layout = owners[key]
-        if id(shard) not in full_of:
-            full_of[id(shard)] = gather_tp_tensor(shard, layout, tp_group)
-        out[key] = full_of[id(shard)]
-    return out
-
-
-def gather_tp_tensor(shard: torch.Tensor, layout: ShardLayout,
-                     tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The whole tensor from every tp rank's ``shard`` (its original shape and orientation);
-    collective over ``tp_group``."""
-    shard = shard.detach().contiguous()
-    n = group_size(tp_group)
-    if n == 1:
-        return unshard_tensor([shard], layout)
-    flat = shard.new_empty(n * shard.numel())  # (N * numel,): rank r's shard r-th
-    all_gather_into(flat, shard.reshape(-1), tp_group)
-    return unshard_tensor(list(flat.view(n, *shard.shape).unbind(0)), layout)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str | Mapping[str, Any]],
