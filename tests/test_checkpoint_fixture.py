@@ -151,11 +151,12 @@ def _check_load(tmp_path: Path, world_size: int, stage: int, exact: bool) -> Non
     assert optim.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(optim[key], value), key
-    if exact:  # same world size and stage: the resumed steps are the saving run's
-        assert _mean_losses(ranks) == expected["losses_after"]
-    else:
-        torch.testing.assert_close(torch.tensor(_mean_losses(ranks)),
-                                   torch.tensor(expected["losses_after"]), rtol=1e-5, atol=0)
+    # the loaded state is bit-exact (above); the steps after it may round differently when a
+    # later version changes the order of a reduction, so the losses agree to a few fp32 ulps at
+    # the saved size and stage and to 1e-5 elsewhere (a different reduction tree)
+    torch.testing.assert_close(torch.tensor(_mean_losses(ranks)),
+                               torch.tensor(expected["losses_after"]),
+                               rtol=1e-6 if exact else 1e-5, atol=0)
 
 
 def test_fixture_loads_at_saved_size_and_stage(tmp_path):
