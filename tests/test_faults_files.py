@@ -87,8 +87,12 @@ def _resave(rank: int, world_size: int, root: str, kill_step: int | None) -> lis
 
 
 def _resume_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
+    """Resume from each root; first, a copy of it gets a save of another tag (without a
+    load before), which must put 'last' back as a load does."""
     out = []
     for root in roots:
+        shutil.copytree(root, f"{root}-saved")
+        make_engine(fp32_config(2), seed=1).save_checkpoint(f"{root}-saved", tag="other")
         engine = make_engine(fp32_config(2), seed=1)
         _, client_state = engine.load_checkpoint(root)
         start = engine.global_steps
@@ -128,6 +132,9 @@ def _check_resave_kills(resave: dict, tmp_path: Path, points: list[int]) -> None
         assert (Path(root) / "latest").read_text() == TAG, where
         assert tag_complete(Path(root) / TAG), where
         assert _leftovers(Path(root)) == [], where
+        saved = Path(f"{root}-saved")
+        assert (saved / "latest").read_text() == "other", where
+        assert tag_complete(saved / TAG) and _leftovers(saved) == [], where
 
 
 def test_resave_steps_are_the_documented_protocol(resave):
