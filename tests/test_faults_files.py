@@ -160,6 +160,40 @@ def test_killed_resave_at_every_step(resave, tmp_path):
     _check_resave_kills(resave, tmp_path, list(range(len(resave["steps"]))))
 
 
+def test_recovery_rules(models, tmp_path):
+    """tags.recover_tags on hand-made leftovers: roll forward, roll back, clean up."""
+    from meshzero.checkpoint.format import resolve_tag
+    from meshzero.checkpoint.tags import readable_tag, recover_tags
+
+    def case(name: str, parts: dict[str, str | None]) -> Path:
+        """``parts``: directory -> the saved tag copied there (None: an incomplete copy)."""
+        root = tmp_path / name
+        root.mkdir()
+        for where, source in parts.items():
+            shutil.copytree(models["root"] / "ckpt" / (source or "v1"), root / where)
+            if source is None:
+                (root / where / "manifest.json").unlink()
+        (root / "latest").write_text(TAG)
+        return root
+
+    def holds(directory: Path) -> str:
+        return json.loads((directory / "manifest.json").read_text())["tag"]
+
+    forward = case("forward", {f".tmp-{TAG}": "v2", f".old-{TAG}": "v1"})
+    back = case("back", {f".tmp-{TAG}": None, f".old-{TAG}": "v1"})
+    clean = case("clean", {TAG: "v2", f".tmp-{TAG}": "v1", f".old-{TAG}": "v1"})
+    lost = case("lost", {f".tmp-{TAG}": None})
+    assert readable_tag(forward, TAG) == forward / f".tmp-{TAG}"  # what consolidate reads
+    assert readable_tag(back, TAG) == back / f".old-{TAG}"
+    assert recover_tags(forward) == recover_tags(back) == [TAG]
+    assert recover_tags(clean) == recover_tags(lost) == []
+    assert [holds(r / TAG) for r in (forward, back, clean)] == ["v2", "v1", "v2"]
+    for root in (forward, back, clean, lost):
+        assert _leftovers(root) == [], root
+    with pytest.raises(ValueError, match=f"{lost / 'latest'} names tag 'last', but"):
+        resolve_tag(lost, None)
+
+
 # -- whole-model files -----------------------------------------------------------------------
 def _two_models(rank: int, world_size: int, root: str, kill_step: int | None) -> dict:
     """save_16bit_model after step 1, consolidate of that tag into a sharded set, then both
