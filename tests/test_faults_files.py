@@ -143,8 +143,13 @@ def test_resave_steps_are_the_documented_protocol(resave):
     renames = [path for kind, path in kinds if kind == "rename"]
     assert renames == [f".old-{TAG}", TAG, "latest"], renames  # then .old- is removed
     assert kinds[-1] == ("remove", f".old-{TAG}")
-    manifest = resave["steps"].index(("write", f".tmp-{TAG}/manifest.json"))
-    assert ("fsync-dir", f".tmp-{TAG}") in resave["steps"][manifest - 3:manifest]
+    steps = resave["steps"]
+    manifest = steps.index(("write", f".tmp-{TAG}/manifest.json"))
+    assert steps[manifest - 1] == ("fsync-dir", f".tmp-{TAG}")  # the rank files' entries
+    for name in ("rank00000.safetensors", "shared.safetensors"):  # each file fsynced before
+        assert steps.index(("fsync", f".tmp-{TAG}/{name}")) < manifest
+    # the temporary tag directory is fsynced before its rename
+    assert steps[steps.index(("rename", f".old-{TAG}")) - 1] == ("fsync-dir", f".tmp-{TAG}")
 
 
 def test_killed_resave_of_a_tag_resumes_bit_identically(resave, tmp_path):
@@ -312,6 +317,7 @@ def _faults(rank: int, world_size: int, root: str) -> dict:
             call()
         atomic.set_fault_hook(None)
         errors[name] = str(info.value)
+    after_full_disk = sorted(p.name for p in (Path(root) / "m16").iterdir())
     if rank == 0:
         data = (Path(root) / "m16" / "model.safetensors").read_bytes()
         (Path(root) / "cut").mkdir()
@@ -323,8 +329,20 @@ def _faults(rank: int, world_size: int, root: str) -> dict:
     _, client_state = engine.load_checkpoint(f"{root}/ckpt")  # the earlier versions load
     restored = engine.full_state_dict()
     engine.load_weights(f"{root}/m16")
+    weights = engine.full_state_dict()
+    # a 16-bit save that fails once its journal is committed: load_weights rolls it forward
+    train_steps(engine, rank, world_size, range(1, 2))
+    atomic.set_fault_hook(_no_space_at("rename", "model.safetensors") if rank == 0 else None)
+    with pytest.raises((OSError, RuntimeError)):
+        engine.save_16bit_model(f"{root}/m16")
+    atomic.set_fault_hook(None)
+    newer = engine.full_state_dict()
+    journal = (Path(root) / "m16" / atomic.JOURNAL).exists()
+    engine.load_checkpoint(f"{root}/ckpt")
+    engine.load_weights(f"{root}/m16")
     return dict(errors=errors, client_state=client_state, restored=restored, want=want,
-                weights=engine.full_state_dict())
+                weights=weights, newer=newer, journal=journal, after_full_disk=after_full_disk,
+                rolled_forward=engine.full_state_dict())
 
 
 def test_full_disk_different_tags_and_a_truncated_file_name_the_file(tmp_path):
@@ -343,12 +361,16 @@ def test_full_disk_different_tags_and_a_truncated_file_name_the_file(tmp_path):
             f"weights file {tmp_path / 'cut' / 'model.safetensors'} is truncated")
     # the failed saves left the earlier versions whole, and no temporary
     assert sorted(p.name for p in ckpt.iterdir()) == [TAG, "latest"]
-    assert sorted(p.name for p in m16.iterdir()) == ["model.safetensors"]
+    assert results[0]["after_full_disk"] == ["model.safetensors"]
     for r in results:
         assert r["client_state"] == {"saved_at": 1}
         for name, value in r["want"].items():
             assert torch.equal(r["restored"][name], value), name
             assert torch.equal(r["weights"][name], value), name
+            assert torch.equal(r["rolled_forward"][name], r["newer"][name]), name
+        assert any(not torch.equal(v, r["newer"][n]) for n, v in r["want"].items())
+    assert results[0]["journal"]
+    assert sorted(p.name for p in m16.iterdir()) == ["model.safetensors"]
 
 
 # -- manifests and the consolidate command ---------------------------------------------------

@@ -87,6 +87,8 @@ def _output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; consolidate writes model.safetensors into a "
                          "directory: give a directory")
+    if out.is_dir():
+        finish_journal(out)  # a consolidate killed after its commit: its model is there
     existing = model_file_set(out)
     if existing and not overwrite:
         raise ValueError(f"{out / existing[0]} already exists; pass --overwrite "
