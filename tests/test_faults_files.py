@@ -73,14 +73,17 @@ def _reference(rank: int, world_size: int) -> dict:
     return dict(losses=losses, params=engine.full_state_dict())
 
 
-def _resave(rank: int, world_size: int, root: str, kill_step: int | None) -> list:
-    """Save tag 'last' after step 1, then re-save it after step 2, killed at ``kill_step``."""
+def _resave(rank: int, world_size: int, root: str, kill_step: int | None, kill_rank: int = 0
+            ) -> list:
+    """Save tag 'last' after step 1, then re-save it after step 2, ``kill_rank`` killed at
+    ``kill_step``; returns the steps of ``kill_rank``."""
     engine = make_engine(fp32_config(2))
     train_steps(engine, rank, world_size, range(1))
     engine.save_checkpoint(root, tag=TAG, client_state={"saved_at": 1})
     train_steps(engine, rank, world_size, range(1, 2))
     steps: list = []
-    atomic.set_fault_hook(_kill_at(kill_step, steps, Path(root)))
+    if rank == kill_rank:
+        atomic.set_fault_hook(_kill_at(kill_step, steps, Path(root)))
     engine.save_checkpoint(root, tag=TAG, client_state={"saved_at": 2})
     atomic.set_fault_hook(None)
     return steps
@@ -91,7 +94,10 @@ def _resume_each(rank: int, world_size: int, roots: list[str]) -> list[dict]:
     load before), which must put 'last' back as a load does."""
     out = []
     for root in roots:
-        shutil.copytree(root, f"{root}-saved")
+        if rank == 0:
+            shutil.copytree(root, f"{root}-saved")
+        if world_size > 1:
+            dist.barrier()
         make_engine(fp32_config(2), seed=1).save_checkpoint(f"{root}-saved", tag="other")
         engine = make_engine(fp32_config(2), seed=1)
         _, client_state = engine.load_checkpoint(root)
@@ -111,17 +117,19 @@ def resave(tmp_path_factory) -> dict:
     return dict(steps=[tuple(s) for s in steps], reference=reference)
 
 
-def _check_resave_kills(resave: dict, tmp_path: Path, points: list[int]) -> None:
+def _check_resave_kills(resave: dict, tmp_path: Path, points: list[int], world_size: int = 1,
+                        kill_rank: int = 0) -> None:
     steps, reference = resave["steps"], resave["reference"]
     # the committed copy moves away here; a kill at or after it rolls the new copy forward
-    moved = steps.index(("rename", f".old-{TAG}"))
+    old = ("rename", f".old-{TAG}")
+    moved = steps.index(old) if old in steps else len(steps)
     roots = []
     for k in points:
         root = tmp_path / f"kill{k}"
         with pytest.raises(DistributedTestError, match="exited with code -9"):
-            run_distributed(_resave, 1, tmp_path, str(root), k)
+            run_distributed(_resave, world_size, tmp_path, str(root), k, kill_rank)
         roots.append(str(root))
-    results = run_distributed(_resume_each, 1, tmp_path, roots)[0]
+    results = run_distributed(_resume_each, world_size, tmp_path, roots)[0]
     for k, root, got in zip(points, roots, results, strict=True):
         where = f"killed before step {k} {steps[k]}"
         want = 2 if k > moved else 1
@@ -163,6 +171,16 @@ def test_killed_resave_of_a_tag_resumes_bit_identically(resave, tmp_path):
 @pytest.mark.slow
 def test_killed_resave_at_every_step(resave, tmp_path):
     _check_resave_kills(resave, tmp_path, list(range(len(resave["steps"]))))
+
+
+@pytest.mark.slow
+def test_killed_resave_on_rank1_at_every_step(tmp_path):
+    """Two ranks; rank 1 dies before each of its steps (its files): the old tag stays."""
+    steps = run_distributed(_resave, 2, tmp_path, str(tmp_path / "dry"), None, 1)[1]
+    reference = run_distributed(_reference, 2, tmp_path)[0]
+    resave = dict(steps=[tuple(s) for s in steps], reference=reference)
+    assert [kind for kind, _ in resave["steps"]] == ["write", "data", "fsync", "write", "fsync"]
+    _check_resave_kills(resave, tmp_path, list(range(len(steps))), world_size=2, kill_rank=1)
 
 
 def test_recovery_rules(models, tmp_path):
