@@ -61,13 +61,18 @@ class FileWriteError(OSError):
 
 
 @contextlib.contextmanager
-def naming(path: str | os.PathLike) -> Iterator[None]:
-    """Re-raise an OSError inside as a :class:`FileWriteError` naming ``path``."""
+def naming(path: str | os.PathLike, *also: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an OSError inside as a :class:`FileWriteError` naming ``path`` (one that
+    names a file other than ``path`` or ``also``, e.g. a source being read, passes
+    unchanged)."""
     try:
         yield
     except FileWriteError:
         raise
     except OSError as exc:
+        ours = {os.fspath(p) for p in (path, *also)}
+        if exc.filename is not None and os.fspath(exc.filename) not in ours:
+            raise
         raise FileWriteError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
@@ -84,7 +89,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def rename(src: Path, dst: Path) -> None:
     fs_step("rename", dst)
-    with naming(dst):
+    with naming(dst, src):
         os.replace(src, dst)
 
 
@@ -109,7 +114,7 @@ def write_in_place(path: Path, fill: Callable[[IO[bytes]], T], shown: Path | Non
                    ) -> T:
     """Write ``path`` (a new file inside a temporary directory) with ``fill(f)`` and fsync
     it; returns what ``fill`` returns. An error names ``shown`` (default ``path``)."""
-    with naming(shown or path):
+    with naming(shown or path, path):
         fs_step("write", path)
         with open(path, "wb") as f:
             result = fill(f)
