@@ -2,6 +2,7 @@
 ``add_parser(sub)`` and ``run(args) -> exit code``, listed in COMMANDS.
 
     meshzero consolidate CKPT_DIR OUT [--tag T] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+                         [--overwrite]
     meshzero demo [--nproc N] [--config FILE] [--steps S] [--out DIR] [--scaling]
     meshzero env
     meshzero estimate MODEL|--params N [--nodes N --gpus-per-node G --gpu-memory M ...]
@@ -78,6 +79,9 @@ def add_consolidate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="dtype of the floating-point tensors written (default fp32)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest output file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model already in OUT (atomically: a kill leaves the old "
+                        "model or the new one); without it an existing model is an error")
     return p
 
 
@@ -85,7 +89,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
     from meshzero.checkpoint import consolidate
 
     paths = consolidate(args.ckpt_dir, args.out, tag=args.tag, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     for path in paths:
         print(path)
     return EXIT_OK

@@ -2,7 +2,9 @@
 :class:`TrainingState` (module, ZeRO state, optimizer, scheduler, scaler, topology, step
 counters), never the engine.
 
+    atomic.py       crash-safe writes: temporary, fsync, rename; file sets by a journal
     format.py       the on-disk format: keys, manifests, atomic commit, CheckpointReader
+    tags.py         a tag directory put back in order after a killed save
     model_files.py  Hugging Face model files: model.safetensors, shards + index, reading
     mesh.py         which ranks write which files on a (pp, dp, tp) mesh; agreement
     state.py        optimizer, scheduler, RNG and model names, captured and restored

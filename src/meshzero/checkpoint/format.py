@@ -23,6 +23,10 @@ Tensor keys inside the rank files name what they hold, so reading needs no layou
     "{buffer}|buffer"                      a whole buffer
     "rng|{rank}|{source}"                  a rank's torch RNG state (uint8)
 
+``manifest.json`` carries ``manifest_sha256``, the sha256 of its own canonical JSON (older
+manifests have none and are accepted). A save and its commit: see :func:`commit_tag`,
+tags.py and docs/failures.md.
+
 Nothing here unpickles: files are opened with ``safetensors.safe_open`` (or read as JSON), and
 weight paths that are not safetensors are refused before they are opened for reading.
 """
@@ -36,15 +40,26 @@ import logging
 import math
 import os
 import re
-import shutil
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from safetensors import safe_open
+
+from meshzero.checkpoint.atomic import (
+    fs_step,
+    fsync_dir,
+    json_bytes,
+    make_dir,
+    naming,
+    remove_tree,
+    rename,
+    write_atomic,
+    write_in_place,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +70,18 @@ LATEST = "latest"
 SHARED_FILE = "shared.safetensors"
 _PIECE = re.compile(r"^(?P<name>[^|]+)\|(?P<start>\d+):(?P<end>\d+)\|(?P<kind>[^|]+)$")
 _HASH_CHUNK = 1 << 22
+MANIFEST_SHA256 = "manifest_sha256"  # the manifest's own checksum (older versions: none)
+MAX_TAG_BYTES = 250  # '.tmp-' + tag within a 255-byte directory name
+# keys a manifest must hold, with their JSON types (see check_manifest_keys)
+_TOP_KEYS: dict[str, Any] = {"files": list, "world_size": int, "stage": int, "steps": dict,
+                             "client_state": object}
+_PIECE_KEYS: dict[str, Any] = {
+    "state_dict": list, "params": dict, "aliases": dict, "buffers": dict, "optimizer": dict,
+    "scheduler": (dict, type(None)), "loss_scaler": dict, "rng": dict}
+_NESTED = {"steps": ("global_steps", "micro_steps", "skipped_steps"),
+           "optimizer": ("class", "param_groups", "state_kinds", "param_group_of",
+                         "extra_state")}
+_FILE_KEYS: dict[str, Any] = {"name": str, "bytes": int, "sha256": str, "keys": list}
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -98,13 +125,14 @@ class TensorSpec:
 
 
 # -- writing safetensors ---------------------------------------------------------------------
-def write_safetensors(
+def safetensors_fill(
     path: Path,
     specs: Sequence[TensorSpec],
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
-) -> tuple[int, str]:
-    """Stream tensors into a safetensors file; returns ``(bytes, sha256)`` of the file.
+) -> Callable[[IO[bytes]], tuple[int, str]]:
+    """A writer of the safetensors file ``path`` into an open file, for atomic.py; it
+    returns ``(bytes, sha256)`` of the file.
 
     The header is built from ``specs`` first, so only one tensor (on the CPU) is held at a
     time, and the file is hashed while it is written. ``tensors`` yields ``(name, tensor)`` in
@@ -120,11 +148,13 @@ def write_safetensors(
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # tensor data starts 8-byte aligned
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
+
+    def fill(f: IO[bytes]) -> tuple[int, str]:
+        digest = hashlib.sha256()
         for chunk in (struct.pack("<Q", len(raw)), raw):
             f.write(chunk)
             digest.update(chunk)
+        fs_step("data", path)
         for spec, (name, tensor) in zip(specs, tensors, strict=True):
             if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
                 raise ValueError(f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} does not "
@@ -132,16 +162,26 @@ def write_safetensors(
             data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
             f.write(data.data)
             digest.update(data.data)
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(raw) + offset, digest.hexdigest()
+        return 8 + len(raw) + offset, digest.hexdigest()
+
+    return fill
+
+
+def write_safetensors(
+    path: Path,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Stream tensors into a new safetensors file inside a temporary tag directory (fsynced);
+    returns ``(bytes, sha256)`` of the file."""
+    return write_in_place(path, safetensors_fill(path, specs, tensors, metadata))
 
 
 def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
+    """A new JSON file inside a temporary directory, fsynced."""
+    data = json_bytes(obj, indent)
+    write_in_place(path, lambda f: f.write(data))
 
 
 def check_json(obj: Any, what: str) -> None:
@@ -153,58 +193,55 @@ def check_json(obj: Any, what: str) -> None:
                          f"pickles): {exc}") from exc
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every file system lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # -- tags and atomic commit ------------------------------------------------------------------
 def check_tag(tag: str) -> None:
     if (not tag or tag in (".", "..", LATEST) or tag.startswith(".") or "/" in tag
             or os.sep in tag or "\0" in tag):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (not "
                          f"'latest', no path separators, not starting with '.')")
+    if len(tag.encode()) > MAX_TAG_BYTES:
+        raise ValueError(f"checkpoint tag {tag[:40]!r}... is {len(tag.encode())} bytes; at "
+                         f"most {MAX_TAG_BYTES} fit a directory name beside '.tmp-'")
 
 
 def tmp_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".tmp-{tag}"
 
 
+def old_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".old-{tag}"
+
+
 def prepare_tmp_dir(save_dir: Path, tag: str) -> None:
     """A fresh, empty ``.tmp-{tag}`` (a leftover of a crashed save is removed)."""
-    save_dir.mkdir(parents=True, exist_ok=True)
+    with naming(save_dir):
+        save_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir(save_dir, tag)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    remove_tree(tmp)
+    make_dir(tmp)
 
 
-def commit_tag(save_dir: Path, tag: str) -> Path:
-    """Rename ``.tmp-{tag}`` to ``tag`` (replacing an older one), then point ``latest`` at it."""
-    final = save_dir / tag
-    old = save_dir / f".old-{tag}"
+def commit_tag(save_dir: Path, tag: str, directories: Sequence[Path] = ()) -> Path:
+    """Rename the complete ``.tmp-{tag}`` to ``tag`` (an older ``tag`` is first moved to
+    ``.old-{tag}`` and removed last), then point ``latest`` at it. ``directories``: the
+    subdirectories of the temporary tag, fsynced with it before the rename. A kill between
+    the renames leaves ``tag`` missing beside a complete ``.tmp-``/``.old-{tag}``:
+    tags.recover_tags puts it back (docs/failures.md)."""
+    tmp, final, old = tmp_dir(save_dir, tag), save_dir / tag, old_dir(save_dir, tag)
+    for directory in (*directories, tmp):
+        fsync_dir(directory)
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp_dir(save_dir, tag).rename(final)
+        remove_tree(old)
+        rename(final, old)
+    rename(tmp, final)
     fsync_dir(save_dir)
-    shutil.rmtree(old, ignore_errors=True)
     write_latest(save_dir, tag)
+    remove_tree(old)
     return final
 
 
 def write_latest(save_dir: Path, tag: str) -> None:
-    tmp = save_dir / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / LATEST)
-    fsync_dir(save_dir)
+    write_atomic(save_dir / LATEST, lambda f: f.write(tag.encode()))
 
 
 def resolve_tag(directory: str | os.PathLike, tag: str | None) -> Path | None:
@@ -215,11 +252,31 @@ def resolve_tag(directory: str | os.PathLike, tag: str | None) -> Path | None:
         if not latest.is_file():
             return None
         tag = latest.read_text().strip()
+        check_tag(tag)
+        if not (directory / tag).is_dir():
+            raise ValueError(f"{latest} names tag {tag!r}, but {directory / tag} does not "
+                             "exist; pass an existing tag")
     check_tag(tag)
     return directory / tag
 
 
+# -- manifests -------------------------------------------------------------------------------
+def manifest_checksum(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, no spaces), without its own
+    ``manifest_sha256``."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
+    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """``manifest.json`` with its own checksum (a new file in the temporary tag)."""
+    write_json(path, {**manifest, MANIFEST_SHA256: manifest_checksum(manifest)})
+
+
 def read_manifest(directory: Path) -> dict:
+    """The manifest of a tag (or piece) directory, checked: JSON, format and version, the
+    keys a load needs, its own checksum (manifests of older versions have none)."""
     path = directory / MANIFEST
     if not path.is_file():
         raise ValueError(f"{directory} is not a meshzero checkpoint: {MANIFEST} is missing")
@@ -227,13 +284,48 @@ def read_manifest(directory: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or manifest.get("version") != VERSION):
         raise ValueError(f"{path}: not a {FORMAT} version {VERSION} manifest")
+    check_manifest_keys(manifest, path)
+    want = manifest.get(MANIFEST_SHA256)
+    if want is not None and want != manifest_checksum(manifest):
+        raise ValueError(f"{path} fails its own checksum (manifest_sha256 {want}, content "
+                         f"{manifest_checksum(manifest)}): the manifest was altered or damaged")
     for entry in manifest["files"]:
         name = entry["name"]
         if Path(name).name != name or not name.endswith(".safetensors"):
             raise ValueError(f"{path}: file entry {name!r} is not a .safetensors file name")
     return manifest
+
+
+def check_manifest_keys(manifest: dict, path: Path) -> None:
+    """ValueError naming the first key (``a.b``) a load or consolidate needs and lacks."""
+    required = dict(_TOP_KEYS, **(_PIECE_KEYS if "pieces" not in manifest else {"pieces": list}))
+    for key, kind in required.items():
+        _require(manifest, key, kind, path, key)
+    for key, fields in _NESTED.items():
+        if "pieces" in manifest and key != "steps":
+            continue
+        for field in fields:
+            _require(manifest[key], field, object, path, f"{key}.{field}")
+    for i, entry in enumerate(manifest["files"]):
+        for field, kind in _FILE_KEYS.items():
+            _require(entry, field, kind, path, f"files[{i}].{field}")
+    for name, info in manifest.get("params", {}).items():
+        _require(info, "shape", list, path, f"params[{name!r}].shape")
+    for name, info in manifest.get("buffers", {}).items():
+        _require(info, "shape", list, path, f"buffers[{name!r}].shape")
+        _require(info, "dtype", str, path, f"buffers[{name!r}].dtype")
+
+
+def _require(obj: Any, key: str, kind: Any, path: Path, where: str) -> None:
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path}: the manifest lacks {where!r}; it is damaged or was not "
+                         "written by meshzero")
+    if kind is not object and not isinstance(obj[key], kind):
+        raise ValueError(f"{path}: manifest entry {where!r} is a {type(obj[key]).__name__}, "
+                         f"not a {getattr(kind, '__name__', kind)}")
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -313,6 +405,18 @@ class CheckpointReader:
     def __exit__(self, *exc) -> None:
         self._stack.close()
         self._handles.clear()
+
+    def check_extents(self, params: dict) -> None:
+        """ValueError unless each parameter's saved values hold exactly the elements of its
+        manifest shape (a manifest without a checksum may have been edited)."""
+        for name, info in params.items():
+            pieces = self.pieces.get((name, "master"))
+            numel = math.prod(info["shape"])
+            if pieces and max(p.end for p in pieces) != numel:
+                raise ValueError(
+                    f"{self.directory / MANIFEST}: parameter {name!r} has shape {info['shape']} "
+                    f"({numel} elements) but the checkpoint holds {max(p.end for p in pieces)} "
+                    "elements of it: the manifest was altered")
 
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.pieces

@@ -110,6 +110,31 @@ def mesh_manifest(state: TrainingState, piece_meta: dict) -> dict:
             "files": []}
 
 
+_TAG_BYTES = 256  # format.MAX_TAG_BYTES fits, with its length
+
+
+def agree_on_tag(state: TrainingState, tag: str) -> None:
+    """ValueError on every rank, naming the tags and their ranks, unless all ranks save under
+    ``tag`` (one all-gather of the tag's bytes, before anything is written)."""
+    size = state.topology.world_size
+    if size == 1:
+        return
+    raw = tag.encode()[:_TAG_BYTES - 1]
+    mine = torch.zeros(_TAG_BYTES, dtype=torch.int32, device=state.device)
+    mine[0] = len(raw)
+    mine[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
+    out = torch.empty(size * _TAG_BYTES, dtype=torch.int32, device=state.device)
+    Communicator(dist.group.WORLD, "checkpoint", state.stats).all_gather(out, mine).wait()
+    rows = out.view(size, _TAG_BYTES).cpu().tolist()
+    tags: dict[str, list[int]] = {}
+    for rank, row in enumerate(rows):
+        tags.setdefault(bytes(row[1:1 + row[0]]).decode(errors="replace"), []).append(rank)
+    if len(tags) > 1:
+        listed = "; ".join(f"{t!r} on rank(s) {ranks}" for t, ranks in tags.items())
+        raise ValueError(f"save_checkpoint: the ranks pass different tags ({listed}); every "
+                         "rank must pass the same tag")
+
+
 def on_all_ranks(state: TrainingState, what: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank of the world, then agree: if it failed anywhere, it fails
     everywhere (a rank that raised alone would leave the others waiting in the next

@@ -22,7 +22,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshzero.checkpoint.format import TensorSpec, read_flat, write_json, write_safetensors
+from meshzero.checkpoint.atomic import (
+    commit_files,
+    finish_journal,
+    json_bytes,
+    prepare_dir,
+    write_temp,
+    write_temp_bytes,
+)
+from meshzero.checkpoint.format import TensorSpec, read_flat, safetensors_fill
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +81,49 @@ def shard_file_names(filename: str, count: int) -> list[str]:
 
 
 def write_index(out_dir: Path, filename: str, weight_map: dict[str, str], total_size: int
-                ) -> Path:
-    """The Hugging Face ``{filename}.index.json`` over shard files; returns its path."""
-    path = out_dir / (filename + INDEX_SUFFIX)
-    write_json(path, {"metadata": {"total_size": total_size}, "weight_map": weight_map},
-               indent=2)
-    return path
+                ) -> str:
+    """The temporary of the Hugging Face ``{filename}.index.json`` over shard files (see
+    atomic.commit_files); returns its name."""
+    name = filename + INDEX_SUFFIX
+    data = json_bytes({"metadata": {"total_size": total_size}, "weight_map": weight_map},
+                      indent=2)
+    write_temp(out_dir, name, lambda f: f.write(data))
+    return name
+
+
+def model_file_set(directory: Path, filename: str = WEIGHTS_NAME) -> list[str]:
+    """The files of the model ``filename`` in ``directory``: itself, its index, its shards."""
+    if not directory.is_dir():
+        return []
+    shard = re.compile(re.escape(filename.removesuffix(".safetensors"))
+                       + r"-\d{5}-of-\d{5}\.safetensors")
+    return sorted(p.name for p in directory.iterdir()
+                  if p.name in (filename, filename + INDEX_SUFFIX) or shard.fullmatch(p.name))
+
+
+def check_filename(filename: str, what: str = "filename") -> None:
+    if not filename.endswith(".safetensors") or Path(filename).name != filename:
+        raise ValueError(f"{what} {filename!r} must be a plain name ending in .safetensors")
+
+
+def write_model_temps(out_dir: Path, specs: list[TensorSpec],
+                      tensors: Iterable[tuple[str, torch.Tensor]], *,
+                      max_shard_bytes: int | None = None, filename: str = WEIGHTS_NAME
+                      ) -> list[str]:
+    """Write ``tensors`` (yielded in the order of ``specs``) as temporaries of one file or of
+    shards plus an index; returns their names. Memory: one tensor at a time."""
+    shards = plan_shards(specs, max_shard_bytes)
+    names = shard_file_names(filename, len(shards))
+    stream = iter(tensors)
+    for name, shard in zip(names, shards, strict=True):
+        take = (next(stream) for _ in shard)
+        write_temp(out_dir, name, safetensors_fill(out_dir / name, shard, take,
+                                                   metadata={"format": "pt"}))
+    if len(shards) > 1:
+        names.append(write_index(out_dir, filename, {
+            s.name: n for n, shard in zip(names, shards, strict=True) for s in shard},
+            sum(s.nbytes for s in specs)))
+    return names
 
 
 def write_model_files(
@@ -88,26 +133,22 @@ def write_model_files(
     *,
     max_shard_bytes: int | None = None,
     filename: str = WEIGHTS_NAME,
+    extra: dict[str, bytes] | None = None,
 ) -> list[Path]:
-    """Write ``tensors`` (yielded in the order of ``specs``) as one file or as shards plus an
-    index; returns the paths written. Memory: one tensor at a time."""
-    if not filename.endswith(".safetensors") or Path(filename).name != filename:
-        raise ValueError(f"filename {filename!r} must be a plain name ending in .safetensors")
+    """Write a model (and ``extra`` files: config.json ...) into ``out_dir``, replacing the
+    previous model of that name as a whole (atomic.commit_files): a kill at any point
+    leaves the old files or the new ones. Returns the paths written."""
+    check_filename(filename)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(specs, max_shard_bytes)
-    names = shard_file_names(filename, len(shards))
-    stream = iter(tensors)
-    paths = []
-    for name, shard in zip(names, shards, strict=True):
-        take = (next(stream) for _ in shard)
-        write_safetensors(out_dir / name, shard, take, metadata={"format": "pt"})
-        paths.append(out_dir / name)
-    if len(shards) > 1:
-        paths.append(write_index(out_dir, filename, {
-            s.name: n for n, shard in zip(names, shards, strict=True) for s in shard},
-            sum(s.nbytes for s in specs)))
-    logger.info("wrote %d weight file(s) to %s", len(paths), out_dir)
+    prepare_dir(out_dir)
+    names = write_model_temps(out_dir, specs, tensors, max_shard_bytes=max_shard_bytes,
+                              filename=filename)
+    for name, data in (extra or {}).items():
+        write_temp_bytes(out_dir, name, data)
+    names += list(extra or {})
+    stale = [n for n in model_file_set(out_dir, filename) if n not in names]
+    paths = commit_files(out_dir, names, stale)
+    logger.info("wrote %d file(s) to %s", len(paths), out_dir)
     return paths
 
 
@@ -119,24 +160,44 @@ def _refuse(path: Path, why: str) -> ValueError:
 
 
 def _check_safetensors(path: Path) -> None:
-    """Look at the first bytes only: an 8-byte header length that fits, then ``{``."""
+    """Look at the header only: an 8-byte header length that fits, then ``{``, then a JSON
+    header whose tensors end where the file ends (a truncated file is named here)."""
     if not path.is_file():
         raise ValueError(f"weights file {path} does not exist")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(9)
-    if len(head) < 9:
-        raise _refuse(path, "it is too short to be a safetensors file")
-    (header_len,) = struct.unpack("<Q", head[:8])
-    if header_len + 8 > size or head[8:9] != b"{":
-        kind = "a pickle" if head[:1] == b"\x80" else (
-            "a zip archive (torch.save)" if head[:2] == b"PK" else "not safetensors")
-        raise _refuse(path, f"its content is {kind}")
+        if len(head) < 9:
+            raise _refuse(path, "it is too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if header_len + 8 > size or head[8:9] != b"{":
+            kind = "a pickle" if head[:1] == b"\x80" else (
+                "a zip archive (torch.save)" if head[:2] == b"PK" else "not safetensors")
+            raise _refuse(path, f"its content is {kind}")
+        raw = head[8:] + f.read(header_len - 1)
+    try:
+        header = json.loads(raw)
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"weights file {path} has a damaged safetensors header: {exc}") from exc
+    if 8 + header_len + end != size:
+        raise ValueError(f"weights file {path} is truncated or damaged: its header describes "
+                         f"{8 + header_len + end} bytes, the file has {size}")
+
+
+def _open(path: Path) -> Any:
+    """``safe_open`` of a checked file; an error names the file."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors' own error type
+        raise ValueError(f"weights file {path} cannot be read: {exc}") from exc
 
 
 def resolve_weight_files(path: str | os.PathLike) -> dict[str, Path]:
     """``{tensor name: safetensors file}`` for a file, an index or a directory holding one."""
     path = Path(path)
+    finish_journal(path if path.is_dir() else path.parent)  # a write killed half-way
     if path.is_dir():
         for candidate in (WEIGHTS_NAME + INDEX_SUFFIX, WEIGHTS_NAME):
             if (path / candidate).is_file():
@@ -161,7 +222,7 @@ def resolve_weight_files(path: str | os.PathLike) -> dict[str, Path]:
     if path.suffix != ".safetensors":
         raise _refuse(path, f"{path.suffix or 'no suffix'} is not .safetensors")
     _check_safetensors(path)
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+    with _open(path) as f:
         return dict.fromkeys(f.keys(), path)
 
 
@@ -178,7 +239,7 @@ class WeightsReader:
 
     def _handle(self, file: Path) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            self._handles[file] = _open(file)
         return self._handles[file]
 
     def names(self) -> Iterator[str]:

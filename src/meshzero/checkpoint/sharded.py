@@ -10,8 +10,10 @@
 
 With tensor or pipeline parallelism each (pp, tp) piece of the model is such a checkpoint in a
 subdirectory of the tag, written by the piece's ZeRO ranks (mesh.py). A save is
-atomic: ranks write into ``.tmp-{tag}``, world rank 0 writes the manifests last, renames the
-directory to ``{tag}`` and only then points ``latest`` at it. See format.py for the format.
+atomic: the ranks agree on the tag, write into ``.tmp-{tag}``, world rank 0 writes the
+manifests last, renames the directory to ``{tag}`` and only then points ``latest`` at it; a
+failed save removes ``.tmp-{tag}``, and every save and load first repairs what a killed one
+left (tags.py). See format.py for the format and docs/failures.md for the guarantees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from meshzero.checkpoint.atomic import fsync_dir, make_dir, remove_tree
 from meshzero.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -44,10 +47,12 @@ from meshzero.checkpoint.format import (
     resolve_tag,
     tmp_dir,
     write_json,
+    write_manifest,
     write_safetensors,
 )
 from meshzero.checkpoint.mesh import (
     ModelPiece,
+    agree_on_tag,
     check_mesh,
     mesh_manifest,
     model_piece,
@@ -72,6 +77,7 @@ from meshzero.checkpoint.state import (
     rng_items,
     scheduler_metadata,
 )
+from meshzero.checkpoint.tags import recover_tags
 from meshzero.checkpoint.training import TrainingState
 from meshzero.hf.files import hf_model_files
 from meshzero.zero.fragment_views import fragment_views
@@ -100,6 +106,7 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     save_dir = Path(save_dir)
     first = state.topology.rank == 0  # world rank 0 prepares and commits
     t0 = time.perf_counter()
+    agree_on_tag(state, tag)
 
     def write() -> None:
         directory = piece.directory(tmp_dir(save_dir, tag))
@@ -107,10 +114,15 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
             write_json(directory / PIECE_NOTE, meta)
         write_rank_state(state, names, piece, directory)
 
-    _on_all_ranks(state, "prepare", lambda: _prepare(save_dir, tag, piece) if first else None)
-    _on_all_ranks(state, "write", write)
-    _on_all_ranks(state, "commit",
-                  lambda: _commit(state, piece, save_dir, tag, meta) if first else None)
+    try:
+        _on_all_ranks(state, "prepare", lambda: _prepare(save_dir, tag, piece) if first else None)
+        _on_all_ranks(state, "write", write)
+        _on_all_ranks(state, "commit",
+                      lambda: _commit(state, piece, save_dir, tag, meta) if first else None)
+    except Exception:
+        if first:  # every rank knows of the failure (or a rank died): remove the temporary
+            remove_tree(tmp_dir(save_dir, tag))
+        raise
     logger.info("saved checkpoint %s in %.3f s", save_dir / tag, time.perf_counter() - t0)
     return str(save_dir / tag)
 
@@ -142,9 +154,11 @@ def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiec
 
 
 def _prepare(save_dir: Path, tag: str, piece: ModelPiece) -> None:
+    recover_tags(save_dir)  # a save killed before: put its tag back first
     prepare_tmp_dir(save_dir, tag)
     for directory in piece.all_directories(tmp_dir(save_dir, tag)):
-        directory.mkdir(exist_ok=True)
+        if directory != tmp_dir(save_dir, tag):
+            make_dir(directory)
 
 
 def write_rank_state(state: TrainingState, names: ModelNames, piece: ModelPiece,
@@ -183,28 +197,34 @@ def _commit(state: TrainingState, piece: ModelPiece, save_dir: Path, tag: str, m
     """World rank 0: every piece's manifest from its ranks' notes, the tag's manifest (when
     the model is cut into pieces), then rename and update latest."""
     tmp = tmp_dir(save_dir, tag)
-    for directory in piece.all_directories(tmp):
-        note = directory / PIECE_NOTE
-        _write_piece_manifest(directory, json.loads(note.read_text()), piece.num_files)
-        note.unlink()
-    if piece.split:
-        write_json(tmp / MANIFEST, mesh_manifest(state, meta))
-    commit_tag(save_dir, tag)
+    directories = piece.all_directories(tmp)
+    for directory in directories:
+        _write_piece_manifest(directory, piece.num_files)
+    if piece.split:  # the top manifest last: it makes the tag complete (tags.py)
+        for directory in directories:
+            fsync_dir(directory)
+        write_manifest(tmp / MANIFEST, mesh_manifest(state, meta))
+    commit_tag(save_dir, tag, [d for d in directories if d != tmp])
 
 
-def _write_piece_manifest(directory: Path, meta: dict, num_files: int) -> None:
+def _write_piece_manifest(directory: Path, num_files: int) -> None:
+    """The piece's manifest from its notes (written after every rank file was fsynced);
+    the notes are removed once it is written."""
+    notes = [directory / PIECE_NOTE] + [directory / f"rank{r:05d}.json" for r in range(num_files)]
+    meta = json.loads(notes[0].read_text())
     manifest = dict(meta, files=[], rng={})
     optim = manifest["optimizer"] = dict(meta["optimizer"], state_kinds={}, param_group_of={},
                                          extra_state={})
     for rank in range(num_files):
-        note = directory / f"rank{rank:05d}.json"
-        info = json.loads(note.read_text())
+        info = json.loads(notes[1 + rank].read_text())
         manifest["files"] += info["files"]
         manifest["rng"][str(rank)] = info["rng"]
         for key in ("state_kinds", "param_group_of", "extra_state"):
             optim[key].update(info[key])
-        note.unlink()
-    write_json(directory / MANIFEST, manifest)
+    fsync_dir(directory)  # the rank files' entries are durable before the manifest names them
+    write_manifest(directory / MANIFEST, manifest)
+    for note in notes:
+        remove_tree(note)
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -214,6 +234,8 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     """Load tag ``tag`` (default: the one ``latest`` names) at any data-parallel size and
     stage (tp and pp as saved); collective. Returns ``(tag directory, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` file."""
+    _on_all_ranks(state, "recover",  # a save killed before: put its tag back first
+                  lambda: recover_tags(Path(load_dir)) if state.topology.rank == 0 else None)
     directory = resolve_tag(load_dir, tag)
     if directory is None:
         logger.warning("%s has no 'latest' file: no checkpoint loaded", load_dir)
@@ -232,6 +254,7 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     manifest = opened.manifest
     with opened as reader:
         def validate() -> dict[str, str]:
+            reader.check_extents(manifest["params"])
             rename = match_names(names, state, manifest, str(reader.directory))
             files = _param_files(state, reader, rename) | rng_files(reader, piece.file_rank)
             if names.buffers:

@@ -21,25 +21,39 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from meshzero.checkpoint.atomic import (
+    commit_files,
+    discard_temps,
+    finish_journal,
+    prepare_dir,
+    temp_path,
+    write_temp_bytes,
+)
 from meshzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
     CheckpointReader,
     TensorSpec,
+    check_tag,
     dtype_from_name,
     read_manifest,
-    resolve_tag,
 )
 from meshzero.checkpoint.mesh import on_all_ranks, piece_name, tensor_parallel_layouts
 from meshzero.checkpoint.model_files import (
     INDEX_SUFFIX,
     WeightsReader,
+    check_filename,
+    model_file_set,
     parse_size,
     shard_file_names,
     write_index,
     write_model_files,
+    write_model_temps,
 )
 from meshzero.checkpoint.state import ModelNames, model_names
+from meshzero.checkpoint.tags import readable_tag
 from meshzero.checkpoint.training import TrainingState
-from meshzero.hf.files import hf_model_files, write_hf_model_files
+from meshzero.hf.files import hf_model_files, render_hf_model_files
 from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
 from meshzero.parallel.tensor_state import gather_tp_tensor
 from meshzero.zero.fragment_views import fragment_views
@@ -51,31 +65,53 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # -- whole-model weight files ----------------------------------------------------------------
 def _tag_directory(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
-    """The tag's directory under a checkpoint directory, or an error that says what is wrong."""
-    if not Path(ckpt_dir).is_dir():
+    """The tag's directory under a checkpoint directory (if a killed save left it under
+    ``.tmp-``/``.old-{tag}``, that complete copy; nothing is renamed), or an error that says
+    what is wrong."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist"
-                                if not Path(ckpt_dir).exists() else
+                                if not root.exists() else
                                 f"{str(ckpt_dir)!r} is not a directory: give the save_dir "
                                 "passed to engine.save_checkpoint")
-    directory = resolve_tag(ckpt_dir, tag)
-    if directory is None:
-        raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")
-    return directory
+    if tag is None:
+        if not (root / LATEST).is_file():
+            raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")
+        tag = (root / LATEST).read_text().strip()
+    check_tag(tag)
+    return readable_tag(root, tag)
+
+
+def _output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; consolidate writes model.safetensors into a "
+                         "directory: give a directory")
+    if out.is_dir():
+        finish_journal(out)  # a consolidate killed after its commit: its model is there
+    existing = model_file_set(out)
+    if existing and not overwrite:
+        raise ValueError(f"{out / existing[0]} already exists; pass --overwrite "
+                         "(overwrite=True) to replace the model in that directory")
+    return out
 
 
 def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 tag: str | None = None, dtype: str | torch.dtype = "fp32",
-                max_shard_size: str | int = "5GB") -> list[Path]:
+                max_shard_size: str | int = "5GB", overwrite: bool = False) -> list[Path]:
     """Write a checkpoint's full model as safetensors under the model's state_dict names
     (tied names as copies), sharded with ``model.safetensors.index.json`` above
     ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
     side by side, tensor-parallel slices concatenated as they were cut. One process, no
-    distributed; memory: one parameter (all its tp slices) at a time."""
+    distributed; memory: one parameter (all its tp slices) at a time. A model already in
+    ``out_dir`` is refused unless ``overwrite``, and then replaced as a whole (a kill
+    leaves the old model or the new one, atomic.py)."""
     directory = _tag_directory(ckpt_dir, tag)
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else dtype
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
+    out = _output_dir(out_dir, overwrite)
     top = read_manifest(directory)
     tp, pp = top.get("mesh", {}).get("tp", 1), top.get("mesh", {}).get("pp", 1)
     if "pieces" in top:
@@ -83,9 +119,41 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         manifests = {key: read_manifest(where) for key, where in pieces.items()}
     else:
         pieces, manifests = {(0, 0): directory}, {(0, 0): top}
+    specs, sources = _consolidate_plan(manifests, pieces, pp, tp, out_dtype)
+    with contextlib.ExitStack() as stack:
+        readers = {key: stack.enter_context(CheckpointReader(pieces[key], manifests[key]))
+                   for key in pieces}
+        for key, reader in readers.items():
+            reader.check_extents(manifests[key]["params"])
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for spec, (p, src, shape, layout) in zip(specs, sources, strict=True):
+                if shape is None:
+                    t = readers[(p, 0)].read_whole(src)
+                    if tuple(t.shape) != spec.shape:
+                        raise ValueError(f"{pieces[(p, 0)] / MANIFEST}: buffer {spec.name} is "
+                                         f"{tuple(t.shape)} in the files, the manifest says "
+                                         f"{spec.shape}: the manifest was altered")
+                else:
+                    numel = int(torch.Size(shape).numel())
+                    slices = [readers[(p, q)].read(src, "master", 0, numel).view(shape)
+                              for q in range(tp if layout is not None else 1)]
+                    t = slices[0] if layout is None else unshard_tensor(slices, layout)
+                yield spec.name, t.to(spec.dtype)
+
+        return write_model_files(out, specs, tensors(), max_shard_bytes=max_bytes,
+                                 extra=render_hf_model_files(top.get("hf_files", {}), out_dtype))
+
+
+Source = tuple[int, str, "tuple[int, ...] | None", "ShardLayout | None"]
+
+
+def _consolidate_plan(manifests: dict, pieces: dict, pp: int, tp: int, out_dtype: torch.dtype
+                      ) -> tuple[list[TensorSpec], list[Source]]:
+    """The output tensors and where each comes from: (pp rank, key, local shape or None (a
+    buffer), tp layout)."""
     specs: list[TensorSpec] = []
-    # source: (pp rank, key, local shape or None (a buffer), layout)
-    sources: list[tuple[int, str, tuple[int, ...] | None, ShardLayout | None]] = []
+    sources: list[Source] = []
     seen = set()
     for p in range(pp):
         manifest = manifests[(p, 0)]
@@ -102,27 +170,14 @@ def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                         tuple(info["shape"])))
                 continue
             src = manifest["aliases"].get(name, name)
+            if src not in manifest["params"]:
+                raise ValueError(f"{pieces[(p, 0)] / MANIFEST}: {name!r} is in state_dict but "
+                                 "not in params or buffers; the manifest is damaged")
             shape = tuple(manifest["params"][src]["shape"])
             layout = ShardLayout(**layouts[name]) if name in layouts else None
             sources.append((p, src, shape, layout))
             specs.append(TensorSpec(name, out_dtype, _full_shape(shape, layout, tp)))
-    with contextlib.ExitStack() as stack:
-        readers = {key: stack.enter_context(CheckpointReader(pieces[key], manifests[key]))
-                   for key in pieces}
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for spec, (p, src, shape, layout) in zip(specs, sources, strict=True):
-                if shape is None:
-                    t = readers[(p, 0)].read_whole(src)
-                else:
-                    numel = int(torch.Size(shape).numel())
-                    slices = [readers[(p, q)].read(src, "master", 0, numel).view(shape)
-                              for q in range(tp if layout is not None else 1)]
-                    t = slices[0] if layout is None else unshard_tensor(slices, layout)
-                yield spec.name, t.to(spec.dtype)
-
-        paths = write_model_files(out_dir, specs, tensors(), max_shard_bytes=max_bytes)
-    return paths + write_hf_model_files(out_dir, top.get("hf_files", {}), out_dtype)
+    return specs, sources
 
 
 def _full_shape(shape: tuple[int, ...], layout: ShardLayout | None, tp: int
@@ -142,9 +197,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     all-gathered and put together). One rank per pipeline stage writes (tp rank 0, dp rank
     0): with pp > 1 each stage is one shard ``{stem}-0000{p+1}-of-0000{P}.safetensors`` under
     ``{save_filename}.index.json``. Returns the file (or index) on world rank 0, else None."""
-    if not save_filename.endswith(".safetensors") or Path(save_filename).name != save_filename:
-        raise ValueError(f"save_filename {save_filename!r} must be a plain name ending in "
-                         ".safetensors")
+    check_filename(save_filename, "save_filename")
     names = model_names(state)
     dtype = state.compute_dtype
     t = state.topology
@@ -171,26 +224,45 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
         for name, buf in names.buffers.items():
             yield name, buf.detach().to(out_dtype[name])
 
-    stream = gathered()
+    stream, save_dir = gathered(), Path(save_dir)
     files = shard_file_names(save_filename, t.pp_size)
+    written = list(files)
 
     def write() -> None:
         try:
-            if t.coords["tp"] == 0 and t.dp_rank == 0:
-                write_model_files(save_dir, specs, stream, filename=files[t.coords["pp"]])
+            if t.coords["tp"] == 0 and t.dp_rank == 0:  # this stage's file, as a temporary
+                write_model_temps(save_dir, specs, stream, filename=files[t.coords["pp"]])
         finally:
             for _ in stream:  # keep taking part in the gathers, whatever happened here
                 pass
 
-    on_all_ranks(state, "save_16bit_model", write)
-    if t.rank == 0:  # a Hugging Face model: config.json beside the weights
-        write_hf_model_files(save_dir, hf_model_files(state.module), dtype)
-    path = Path(save_dir) / save_filename
-    if t.pp_size > 1:
-        path = Path(save_dir) / (save_filename + INDEX_SUFFIX)
-        on_all_ranks(state, "save_16bit_model index", lambda: _write_index(
-            Path(save_dir), save_filename, files) if t.rank == 0 else None)
-    return str(path) if t.rank == 0 else None
+    first = t.rank == 0
+    on_all_ranks(state, "save_16bit_model prepare",
+                 lambda: prepare_dir(save_dir) if first else None)
+    try:
+        on_all_ranks(state, "save_16bit_model", write)
+        on_all_ranks(state, "save_16bit_model commit", lambda: _commit_16bit(
+            state, save_dir, save_filename, written) if first else None)
+    except Exception:
+        if first:  # no journal yet: the previous model stays, the new temporaries go
+            discard_temps(save_dir, [*written, save_filename + INDEX_SUFFIX])
+        raise
+    path = save_dir / (save_filename + INDEX_SUFFIX if t.pp_size > 1 else save_filename)
+    return str(path) if first else None
+
+
+def _commit_16bit(state: TrainingState, save_dir: Path, save_filename: str, written: list[str]
+                  ) -> None:
+    """World rank 0, once every stage's file is written: the index (pp > 1), config.json,
+    then all files at once (atomic.commit_files); ``written`` gets their names."""
+    if state.topology.pp_size > 1:
+        written.append(_write_index(save_dir, save_filename, list(written)))
+    extra = render_hf_model_files(hf_model_files(state.module), state.compute_dtype)
+    for name, data in extra.items():
+        write_temp_bytes(save_dir, name, data)
+    written.extend(extra)
+    stale = [n for n in model_file_set(save_dir, save_filename) if n not in written]
+    commit_files(save_dir, written, stale)
 
 
 def _layouts(state: TrainingState) -> dict[str, ShardLayout]:
@@ -200,19 +272,19 @@ def _layouts(state: TrainingState) -> dict[str, ShardLayout]:
             for name, fields in tensor_parallel_layouts(state.module).items()}
 
 
-def _write_index(save_dir: Path, filename: str, files: list[str]) -> None:
+def _write_index(save_dir: Path, filename: str, files: list[str]) -> str:
     """The Hugging Face index over the stages' files, each written by its own stage: names
-    and sizes are read back from the files."""
+    and sizes are read back from their temporaries. Returns the index's name."""
     weight_map: dict[str, str] = {}
     total = 0
     for name in files:
-        file = save_dir / name
+        file = temp_path(save_dir, name)
         with open(file, "rb") as f:  # the tensor bytes: all but the 8-byte length and header
             total += file.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 weight_map.setdefault(key, name)
-    write_index(save_dir, filename, weight_map, total)
+    return write_index(save_dir, filename, weight_map, total)
 
 
 def load_weights(state: TrainingState, path: str | os.PathLike) -> None:
@@ -228,6 +300,9 @@ def load_weights(state: TrainingState, path: str | os.PathLike) -> None:
         reader = WeightsReader(path)
         return reader, _match_weights(state, names, reader, str(path), layouts)
 
+    where = Path(path) if Path(path).is_dir() else Path(path).parent
+    on_all_ranks(state, "load_weights recover",  # a write killed half-way: finish it first
+                 lambda: finish_journal(where) if t.rank == 0 else None)
     reader, source = on_all_ranks(state, "load_weights validation", validate)
 
     def read() -> None:

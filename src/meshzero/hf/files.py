@@ -37,19 +37,28 @@ def hf_model_files(module: nn.Module) -> dict[str, dict[str, Any]]:
     return files
 
 
-def write_hf_model_files(out_dir: str | os.PathLike, files: dict[str, dict[str, Any]],
-                         dtype: torch.dtype | None = None) -> list[Path]:
-    """Write ``files`` (from :func:`hf_model_files`) under ``out_dir``; ``dtype`` is the dtype
-    of the weights written beside them, recorded in config.json for ``dtype="auto"``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+def render_hf_model_files(files: dict[str, dict[str, Any]], dtype: torch.dtype | None = None
+                          ) -> dict[str, bytes]:
+    """``{file name: content}`` of ``files`` (from :func:`hf_model_files`); ``dtype`` is the
+    dtype of the weights written beside them, recorded in config.json for ``dtype="auto"``."""
+    out = {}
     for name, obj in files.items():
         if name not in (CONFIG_NAME, GENERATION_CONFIG_NAME):
             raise ValueError(f"unexpected Hugging Face file {name!r} in checkpoint metadata")
         if name == CONFIG_NAME and dtype is not None:
             obj = {**obj, "dtype": str(dtype).removeprefix("torch.")}
-        path = out / name
-        path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        written.append(path)
+        out[name] = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    return out
+
+
+def write_hf_model_files(out_dir: str | os.PathLike, files: dict[str, dict[str, Any]],
+                         dtype: torch.dtype | None = None) -> list[Path]:
+    """Write ``files`` under ``out_dir`` (meshzero's own writers commit them with the
+    weights instead, see checkpoint/atomic.py)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in render_hf_model_files(files, dtype).items():
+        (out / name).write_bytes(data)
+        written.append(out / name)
     return written
