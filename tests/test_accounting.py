@@ -133,6 +133,8 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
                 "all_gather": (2 * units, 2 * _ring(padded, world_size))}
         if world_size > 1:  # each all-gather is preceded by the 8-byte unit-order check
             want["order_check"] = (2 * units, 2 * units * _ring(8 * world_size, world_size))
+    if stage >= 1:  # the non-finite check: two float64 all-reduced once per step
+        want["step_check"] = (1, 2 * _ring(16, world_size))
     for r in results:
         got = {op: (v["count"], v["bytes"]) for op, v in r.comm.items()}
         assert got == want

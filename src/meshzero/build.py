@@ -2,8 +2,9 @@
 
 :func:`build` prepares a model in this order, each step needing the ones before it:
 
-1. process groups and communicators (the (pp, dp, tp) mesh; ZeRO's shard, MiCS and hpZ
-   communicators over dp)
+1. process groups and communicators (with ``faults.comm_timeout``; every rank's config and
+   model checked to agree first, so a mismatch is an error and never a hang; the (pp, dp,
+   tp) mesh; ZeRO's shard, MiCS and hpZ communicators over dp)
 2. materialise (a factory or meta-device model, unit by unit, later by ZeRO) or broadcast
    (an eager model: every rank starts from one rank's parameters)
 3. pipeline cut (this rank keeps its stage(s))
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 
 from meshzero.comm import CommStats, Communicator, broadcast_module
 from meshzero.config import Config
+from meshzero.faults import check_ranks_agree
 from meshzero.optim import build_optimizer
 from meshzero.parallel.compose import (
     apply_tp,
@@ -82,9 +85,11 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     """Prepare ``model`` for training under ``config``, in the order of the module
     docstring; collective over the world."""
     # 1. groups first: every later step runs collectives on them
-    init_distributed()
+    timeout = timedelta(seconds=config.faults.comm_timeout)
+    made = init_distributed(timeout=timeout)
+    check_ranks_agree(config, model)  # before any group or broadcast depends on them
     topology = build_topology(config.tensor_parallel.size, config.pipeline_parallel.size,
-                              config.topology.ranks_per_node)
+                              config.topology.ranks_per_node, timeout, world_timeout=made)
     if topology.world_size > 1 and topology.rank == 0:
         logger.info("%s", topology.rank_map())
     batch = config.resolve_batch(topology.dp_size)  # the batch rule needs the dp size

@@ -17,6 +17,10 @@ Lifecycle: every op is waited on by the code that issued it; ``CommStats.pending
 ops not waited on yet, so that ``Engine.close()`` (or the exit hook) can wait for or release
 them before the interpreter shuts down.
 
+Failures: a collective whose peers do not join within the group's timeout (``faults.
+comm_timeout``), or whose peer died, raises :class:`CollectiveError` naming the op, the
+group, the step and the phase, instead of gloo's or NCCL's bare error.
+
 Every op is also counted by phase (``CommStats.phase``: forward, backward, step, set by the
 engine) and as inside-node or across-node: a collective over a group whose ranks sit on more
 than one node (``Topology.node_of``) counts all its bytes as across-node.
@@ -25,7 +29,8 @@ than one node (``Topology.node_of``) counts all its bytes as across-node.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +43,31 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 OnComm = Callable[[str, int], None]  # (op, bytes this rank sent): a counter of a CommStats
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer stalled past the timeout, died, or called another one."""
+
+
+def where_in_training(step: int | None, phase: str) -> str:
+    """Where a failed collective was: ``at step 3 (backward)``, or during initialize."""
+    return "during initialize" if step is None else f"at step {step} ({phase})"
+
+
+@contextmanager
+def failure_named(op: str, group: str, where: str = "") -> Iterator[None]:
+    """Turn a collective's RuntimeError into one :class:`CollectiveError` line that names
+    ``op``, ``group`` and ``where`` training was."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        reason = (str(exc).strip().splitlines() or ["no message"])[0]
+        raise CollectiveError(
+            f"collective {op} over group {group} failed{f' {where}' if where else ''}: "
+            f"{reason}. A rank stalled past the timeout (faults.comm_timeout), died, or "
+            "called a different collective; see the other ranks' errors") from exc
 
 
 def ring_bytes(op: str, nbytes: int, n: int) -> int:
@@ -90,6 +120,7 @@ class CommStats:
 
     ops: dict[tuple[str, str, str], OpStats] = field(default_factory=dict)
     phase: str = "forward"
+    step: int | None = None  # the optimizer step under way (None: initialize), for errors
     # ops issued and not waited on yet, by id(handle); a Handle removes itself on wait
     pending: dict[int, Handle] = field(default_factory=dict)
 
@@ -162,8 +193,11 @@ class Handle:
     """
 
     def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,
-                 pending: dict[int, Handle] | None, *buffers):
+                 pending: dict[int, Handle] | None, *buffers,
+                 describe: tuple[str, str, str] | None = None):
+        """``describe``: (op, group, where) for the error if the wait fails."""
         self._work = work
+        self._describe = describe
         self._stats = stats
         self._issued = issued
         self._buffers: tuple | None = buffers  # in-flight memory stays alive (no record_stream)
@@ -180,7 +214,7 @@ class Handle:
         if self._work is not None:
             t0 = time.perf_counter()
             done_before = self._work.is_completed()
-            self._work.wait()
+            self._wait_named()
             # completed before the wait: it ended by t0 and nothing was exposed; else it
             # ended as the wait returned
             t1 = t0 if done_before else time.perf_counter()
@@ -191,6 +225,22 @@ class Handle:
         if self._pending is not None:
             self._pending.pop(id(self), None)
             self._pending = None
+
+
+    def _wait_named(self) -> None:
+        assert self._work is not None
+        if self._describe is None:
+            self._work.wait()
+            return
+        try:
+            self._work.wait()
+        except RuntimeError:
+            # a failed op is done: let go of it, then say which one it was
+            self._work, self._buffers = None, None
+            if self._pending is not None:
+                self._pending.pop(id(self), None)
+            with failure_named(*self._describe):
+                raise
 
 
 class Communicator:
@@ -215,8 +265,10 @@ class Communicator:
         if self.size == 1:  # a one-rank group: the local copy is the whole collective
             fn(None)
             return Handle(None, stats, issued, None, *buffers)
-        work = fn(self.group)
-        handle = Handle(work, stats, issued, self.stats.pending, *buffers)
+        describe = (op, self.name, where_in_training(self.stats.step, self.stats.phase))
+        with failure_named(*describe):  # gloo may fail at issue too
+            work = fn(self.group)
+        handle = Handle(work, stats, issued, self.stats.pending, *buffers, describe=describe)
         if not self.async_ops:
             handle.wait()
         return handle
@@ -249,7 +301,9 @@ class Communicator:
         return self._launch("reduce_scatter", nbytes, run, shard, full)
 
     def all_reduce(self, tensor: torch.Tensor,
-                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   name: str = "all_reduce") -> Handle:
+        """Counted under ``name`` (the step's non-finite check apart from gradient data)."""
         nbytes = ring_bytes("all_reduce", _size(tensor), self.size)
 
         def run(group):
@@ -257,7 +311,7 @@ class Communicator:
                 return None
             return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
-        return self._launch("all_reduce", nbytes, run, tensor)
+        return self._launch(name, nbytes, run, tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         """``tensor`` <- global rank ``src``'s ``tensor``."""
@@ -293,6 +347,14 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """A bare group in an error: ``world``, or its global ranks."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    ranks = dist.get_process_group_ranks(group)
+    return f"of ranks {ranks if len(ranks) <= 8 else [*ranks[:8], '...']}"
+
+
 def _count(on_comm: OnComm | None, op: str, nbytes: int, group) -> None:
     if on_comm is not None:
         on_comm(op, ring_bytes(op, nbytes, _group_size(group)))
@@ -301,28 +363,32 @@ def _count(on_comm: OnComm | None, op: str, nbytes: int, group) -> None:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                on_comm: OnComm | None = None) -> None:
     """Sum ``tensor`` over ``group`` in place."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    with failure_named("all_reduce", group_name(group)):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     _count(on_comm, "all_reduce", _size(tensor), group)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
                     group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
     """``output`` (N*S,) <- every rank's ``shard`` (S,), in rank order."""
-    _all_gather(output, shard, group=group)
+    with failure_named("all_gather", group_name(group)):
+        _all_gather(output, shard, group=group)
     _count(on_comm, "all_gather", _size(output), group)
 
 
 def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor,
                         group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
     """``shard`` (S,) <- the sum over ranks of this rank's S-slice of ``full`` (N*S,)."""
-    _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group)
+    with failure_named("reduce_scatter", group_name(group)):
+        _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group)
     _count(on_comm, "reduce_scatter", _size(full), group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
               on_comm: OnComm | None = None) -> None:
     """``tensor`` <- global rank ``src``'s ``tensor``."""
-    dist.broadcast(tensor, src=src, group=group)
+    with failure_named("broadcast", group_name(group)):
+        dist.broadcast(tensor, src=src, group=group)
     _count(on_comm, "broadcast", _size(tensor), group)
 
 
@@ -334,8 +400,9 @@ def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
     for peer, send, recv in pairs:
         ops.append(dist.P2POp(dist.isend, send, peer, group))
         ops.append(dist.P2POp(dist.irecv, recv, peer, group))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+    with failure_named("send_recv", group_name(group)):
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
     if on_comm is not None and pairs:
         on_comm("send_recv", sum(_size(send) for _, send, _ in pairs))
 
@@ -343,7 +410,8 @@ def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's picklable ``obj`` (in memory, between live ranks; never from files)."""
     out: list[Any] = [None] * _group_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with failure_named("all_gather_object", group_name(group)):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -351,5 +419,6 @@ def gather_objects(obj: Any, dst: int, group: dist.ProcessGroup | None) -> list[
     """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
     is_dst = dist.get_rank() == dst
     out: list[Any] | None = [None] * _group_size(group) if is_dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    with failure_named("gather_object", group_name(group)):
+        dist.gather_object(obj, out, dst=dst, group=group)
     return out

@@ -19,6 +19,7 @@ from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
+from meshzero.faults import StepGuard
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
@@ -104,6 +105,9 @@ class Engine(nn.Module):
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.counters = StepCounters()
+        self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.fp16.enabled,
+                               comm=self.comm, model_parallel=self.model_parallel_comms,
+                               rank=self.topology.rank)  # inf/nan gradients: faults/
         # let the ZeRO tier step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True
@@ -166,6 +170,7 @@ class Engine(nn.Module):
         if self._window_open:
             return
         self._window_open = True
+        self.comm_stats.step = self.global_steps  # named by a collective that fails
         self.comm_stats.reset()
         self.zero.memory.reset_peak()
         fcfg = self.config.flops_profiler
@@ -239,7 +244,8 @@ class Engine(nn.Module):
             step_scale = self.zero.options.grad_predivide / self.dp_comm.size
         self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
-        (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward()
+        (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward(
+            self.guard.seed(loss))  # NaN for an inf/nan loss: its step is then skipped
         if self.monitor is not None:
             self._step_loss += loss.detach().float().item() / self.grad_accum
         if self._profiler is not None:
@@ -248,16 +254,18 @@ class Engine(nn.Module):
         self._times["backward"] += time.perf_counter() - t0
         return loss
 
-    def step(self) -> None:
-        """Optimizer step at the accumulation boundary (a counted no-op otherwise)."""
+    def step(self) -> bool:
+        """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
+        whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
+        self.guard.step_applied = False
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
-            return
+            return False
         if not self.zero.has_reduced_gradients():
             # all gradients are zero: AdamW would still apply weight decay and its momentum
             warn_once(logger, "engine.step() with no engine.backward() since the last step "
                       "is skipped (no optimizer step, no scheduler step, no count)")
-            return
+            return False
         t0 = time.perf_counter()
         self.comm_stats.phase = "step"
         if self._profiler is not None:
@@ -265,18 +273,15 @@ class Engine(nn.Module):
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
         self.last_grad_norm = None
-        if self.zero.finish_unit_steps():  # the tier stepped every unit in backward
-            state.sync_params(copy=False)
-            self._finish_step(overflow=False, t0=t0)
-            return
-        sq_norm, overflow = state.reduce_grad_stats(
-            need_norm=clip > 0, need_overflow=self.config.fp16.enabled,
-            model_parallel=self.model_parallel_comms, replicated_weight=self.norm_weights)
-        if overflow:
-            self.skipped_steps += 1
-            logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
-                        self.global_steps, self.loss_scaler.scale)
-        else:
+        if self.zero.finish_unit_steps():  # the tier stepped units in backward
+            overflow = self.guard.check_unit_steps(*self.zero.unit_step_outcome(),
+                                                   step=self.global_steps)
+            if not overflow:
+                state.sync_params(copy=False)
+            return self._finish_step(overflow, t0)
+        sq_norm, overflow = self.guard.grad_stats(state, clip=clip,
+                                                  replicated_weight=self.norm_weights)
+        if not overflow:
             # gradients were divided by grad_predivide before the sum: the rest of 1 / dp here
             inv = self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
             coef = 1.0
@@ -286,9 +291,15 @@ class Engine(nn.Module):
                 coef = min(1.0, clip / (norm + 1e-6))
             self.zero.optimizer_step(inv * coef)
             state.sync_params()
-        self._finish_step(overflow, t0)
+        return self._finish_step(overflow, t0)
 
-    def _finish_step(self, overflow: bool, t0: float) -> None:
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` changed the weights (DeepSpeed's name)."""
+        return self.guard.step_applied
+
+    def _finish_step(self, overflow: bool, t0: float) -> bool:
+        if overflow:
+            self.guard.count_skip(self.counters, self.global_steps, self.loss_scaler.scale)
         if not overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
@@ -298,6 +309,7 @@ class Engine(nn.Module):
         self.micro_steps += 1
         self._times["step"] += time.perf_counter() - t0
         self._close_window()
+        return self.guard.finish(overflow, self.global_steps - 1)
 
     def _close_window(self) -> None:
         self._window_open = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,15 +23,17 @@ logger = logging.getLogger(__name__)
 AXES = ("pp", "dp", "tp")
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> bool:
     """Initialise the default process group if it is not already.
 
     Under torchrun (RANK/WORLD_SIZE in the environment) the env:// rendezvous is used; a plain
     ``python train.py`` gets a world of one process. Backend: NCCL with one device per local
-    rank when CUDA is available, gloo otherwise.
+    rank when CUDA is available, gloo otherwise. ``timeout`` (``faults.comm_timeout``): how
+    long a collective waits for its peers (torch's default, 30 minutes, when None). Returns
+    whether it made the group (False: the caller had made it, with its own timeout).
     """
     if dist.is_initialized():
-        return
+        return False
     # torch.optim's first optimizer imports torch._dynamo, whose import keeps references to
     # the objects torch.distributed holds at that moment; imported after the process group
     # exists, it pins the WORLD group, so destroy_process_group() can no longer free it and
@@ -42,10 +45,11 @@ def init_distributed(backend: str | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     logger.debug("initialised %s process group of %d ranks", backend, dist.get_world_size())
+    return True
 
 
 def default_device() -> torch.device:
@@ -66,6 +70,7 @@ class Topology:
     groups: dict[str, dist.ProcessGroup | None]  # None: the axis has size 1
     device: torch.device
     ranks_per_node: int = 1
+    timeout: timedelta | None = None  # of every group made here (faults.comm_timeout)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -95,12 +100,13 @@ class Topology:
         for ranks in _axis_ranks(self.sizes, "dp"):
             chunks = [ranks[i:i + k] for i in range(0, dp, k)]
             for members in chunks:
-                group = dist.new_group(members) if k > 1 else None
+                group = dist.new_group(members, timeout=self.timeout) if k > 1 else None
                 if self.rank in members:
                     block = group
             for pos in range(k):
                 members = [c[pos] for c in chunks]
-                group = dist.new_group(members) if len(chunks) > 1 else None
+                group = (dist.new_group(members, timeout=self.timeout) if len(chunks) > 1
+                         else None)
                 if self.rank in members:
                     across = group
         return block, across
@@ -153,9 +159,11 @@ def _axis_ranks(sizes: dict[str, int], axis: str) -> list[list[int]]:
     return [[rank_of(i, j, k) for i in range(pp)] for j in range(dp) for k in range(tp)]
 
 
-def build_topology(tp_size: int = 1, pp_size: int = 1,
-                   ranks_per_node: int | None = None) -> Topology:
-    """Build the mesh over the initialised world. ``dp = world / (tp * pp)``."""
+def build_topology(tp_size: int = 1, pp_size: int = 1, ranks_per_node: int | None = None,
+                   timeout: timedelta | None = None, world_timeout: bool = True) -> Topology:
+    """Build the mesh over the initialised world. ``dp = world / (tp * pp)``. Groups get
+    ``timeout``; an axis spanning the world reuses the default group when that has it
+    (``world_timeout``; False: the caller made it, maybe with torch's 30-minute default)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     data_parallel_size(world, tp_size, pp_size)  # the config's check, shared with the estimator
     if ranks_per_node is None:
@@ -174,12 +182,12 @@ def build_topology(tp_size: int = 1, pp_size: int = 1,
         if sizes[axis] == 1:  # nothing to communicate along this axis
             groups[axis] = None
             continue
-        if sizes[axis] == world:
+        if sizes[axis] == world and (timeout is None or world_timeout):
             groups[axis] = dist.group.WORLD
             continue
         for ranks in _axis_ranks(sizes, axis):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[axis] = group
     return Topology(world, rank, sizes, coords, groups, default_device(),
-                    min(ranks_per_node, world))
+                    min(ranks_per_node, world), timeout)

@@ -25,7 +25,7 @@ class StepCounters:
 
     global_steps: int = 0  # optimizer steps taken (skipped ones included)
     micro_steps: int = 0  # forward/backward passes
-    skipped_steps: int = 0  # steps skipped for an fp16 overflow
+    skipped_steps: int = 0  # steps skipped: inf/nan gradients (an fp16 overflow included)
 
 
 @dataclass

@@ -19,12 +19,14 @@ to resolve it. DeepSpeed's aliases, performance hints and values that ask for no
     zero.py         `zero_optimization` and its cross-key rules
     mesh.py         `tensor_parallel`, `pipeline_parallel`, `topology`
     profiler.py     `flops_profiler`
+    faults.py       `faults`: non-finite gradients, the communication timeout
     batch.py        train_batch_size = micro * accumulation * dp
     schema.py       `Config`: the sections and the rules across them
     load.py         `load_config`
 """
 
 from meshzero.config.errors import ConfigError
+from meshzero.config.faults import FaultsConfig
 from meshzero.config.load import load_config
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
@@ -35,7 +37,7 @@ from meshzero.config.schema import Config
 from meshzero.config.zero import ZeroConfig
 
 __all__ = [
-    "BF16Config", "Config", "ConfigError", "FP16Config", "FlopsProfilerConfig",
+    "BF16Config", "Config", "ConfigError", "FP16Config", "FaultsConfig", "FlopsProfilerConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "PipelineParallelConfig",
     "SchedulerConfig", "TensorParallelConfig", "TopologyConfig", "ZeroConfig", "load_config",
 ]

@@ -13,6 +13,7 @@ from meshzero.config.batch import (
     data_parallel_size,
     resolve_batch,
 )
+from meshzero.config.faults import FaultsConfig
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.monitor import (
     CommsLoggerConfig,
@@ -57,6 +58,7 @@ class Config(BaseModel):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())

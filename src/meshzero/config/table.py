@@ -48,7 +48,7 @@ meshzero always casts floating inputs to the compute dtype; the monitors and `co
 write every `steps_per_print` steps (docs/profiling.md, Monitors), and
 `comms_logger.verbose` and `comms_logger.debug` change nothing. meshzero's own keys:
 `zero_optimization.unit_classes`, `flops_profiler.peak_flops`, `seed`, `tensor_parallel`,
-`pipeline_parallel`, `topology`.
+`pipeline_parallel`, `topology`, `faults` (docs/failures.md).
 """
 
 

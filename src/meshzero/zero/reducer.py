@@ -57,6 +57,9 @@ class GradientReducer:
         self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
+        # True while units are stepped during backward: a group with any inf/nan is sent as
+        # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
+        self.spread_nonfinite = False
         self._reduce_now = False
         self._set_aside: list[tuple[FlatGroup, torch.Tensor]] = []
         self._add_to_reduced: set[int] = set()
@@ -185,6 +188,8 @@ class GradientReducer:
         send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
         if self.predivide != 1.0:  # never in place on src: it may be read after the reduction
             send = send * (1.0 / self.predivide) if send is src else send.mul_(1.0 / self.predivide)
+        if self.spread_nonfinite:
+            send.masked_fill_(~torch.isfinite(send).all(), float("nan"))  # no host sync
         if self.stage == 0:
             handle = self.comm.all_reduce(send)
             return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)

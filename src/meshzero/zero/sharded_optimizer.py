@@ -86,8 +86,8 @@ class ShardedOptimizerState:
 
     def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool,
                           model_parallel: list | None = None,
-                          replicated_weight: dict[int, float] | None = None
-                          ) -> tuple[float, bool]:
+                          replicated_weight: dict[int, float] | None = None,
+                          op: str = "all_reduce") -> tuple[float, bool]:
         """Squared L2 norm of all gradients and whether any is inf/nan, over every rank.
 
         The owned ranges of all ranks partition the model at stages 1-3 (padding is zero), so
@@ -96,7 +96,8 @@ class ShardedOptimizerState:
 
         With tensor or pipeline parallelism the model is also split over ``model_parallel``
         communicators (tp, pp): their sums are added too, a parameter replicated over tp
-        counted once (``replicated_weight``: id(original parameter) -> 1/tp).
+        counted once (``replicated_weight``: id(original parameter) -> 1/tp). The
+        all-reduces are counted under ``op``.
         """
         if not (need_norm or need_overflow):
             return 0.0, False
@@ -121,9 +122,9 @@ class ShardedOptimizerState:
             if need_overflow:
                 stats[1] += (~torch.isfinite(g.grad)).sum()
         if self.stage >= 1:
-            self.comm.all_reduce(stats).wait()
+            self.comm.all_reduce(stats, name=op).wait()
         for comm in model_parallel or ():
-            comm.all_reduce(stats).wait()
+            comm.all_reduce(stats, name=op).wait()
         sq, bad = stats.tolist()
         return sq, bad > 0 or (need_norm and not math.isfinite(sq))
 

@@ -123,6 +123,10 @@ class ZeroModelState:
         """Wait for the unit steps of the last backward; True if it stepped everything."""
         return self.tier.finish_unit_steps()
 
+    def unit_step_outcome(self) -> tuple[int, int]:
+        """(units stepped, units refused for inf/nan gradients) during the last backward."""
+        return self.tier.unit_step_outcome()
+
     def optimizer_step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
         self.tier.step(scale)
@@ -224,6 +228,8 @@ class ZeroModelState:
         self._check_open()
         self.check_requires_grad()
         self.tier.start_backward(boundary, step_scale)
+        self.reducer.spread_nonfinite = (step_scale is not None
+                                         and self.tier.steps_units_in_backward)
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
             self.sharder.start_backward()

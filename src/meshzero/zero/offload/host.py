@@ -79,12 +79,15 @@ class UnitStepper:
 
 class HostTier(Tier):
     name = "host"
+    steps_units_in_backward = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.stepper = UnitStepper()
         self._step_scale: float | None = None
         self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
+        # units stepped / refused (inf/nan gradient: that one and all after it) in backward
+        self._stepped, self._refused = 0, 0
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         return host_copy(init, self.options.pin_memory)
@@ -112,6 +115,8 @@ class HostTier(Tier):
                 "boundary backward, so its gradients are final then; call backward once per "
                 "micro-step, or set engine.overlap_offload_step = False")
         self._step_scale = step_scale if boundary else None
+        if boundary:
+            self._stepped, self._refused = 0, 0
 
     def on_unit_reduced(self, unit: int) -> None:
         scale = self._step_scale
@@ -123,6 +128,11 @@ class HostTier(Tier):
         compute parameters while backward goes on."""
         with torch.no_grad():
             groups = [g for g in self.units[unit] if g.trainable]
+            # never write inf/nan into the master: the engine agrees on the refusal
+            if self._refused or not all(bool(torch.isfinite(g.grad).all()) for g in groups
+                                        if g.grad is not None):
+                self._refused += 1
+                return
             if scale != 1.0:
                 for g in groups:
                     assert g.grad is not None  # a trainable group holds its gradient shard
@@ -130,12 +140,16 @@ class HostTier(Tier):
             step_subset(self.optimizer, self._unit_subsets[unit])
             for g in groups:
                 g.copy_master_to_params()
+            self._stepped += 1
 
     def finish_unit_steps(self) -> bool:
         stepped = self._step_scale is not None
         self._step_scale = None
         self.stepper.wait()
         return stepped
+
+    def unit_step_outcome(self) -> tuple[int, int]:
+        return self._stepped, self._refused
 
     def close(self) -> None:
         self.stepper.close()

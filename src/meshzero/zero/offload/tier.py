@@ -204,8 +204,17 @@ class Tier(ABC):
         return None
 
     def finish_unit_steps(self) -> bool:
-        """Wait for steps begun during backward; True if they stepped everything."""
+        """Wait for steps begun during backward; True if the tier stepped units then (all
+        of them, unless :meth:`unit_step_outcome` counts refusals)."""
         return False
+
+    # whether units may be stepped during backward (the reducer then spreads a non-finite
+    # gradient over the whole group, so every rank refuses the same unit)
+    steps_units_in_backward: ClassVar[bool] = False
+
+    def unit_step_outcome(self) -> tuple[int, int]:
+        """(units stepped, units refused for inf/nan gradients) in the last backward."""
+        return 0, 0
 
     def step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""

@@ -1,0 +1,117 @@
+"""Non-finite gradients: detected at every precision and stage, and the step skipped (or
+refused) on every rank alike.
+
+What makes the decision the same on every rank:
+
+- A non-finite loss seeds its backward with NaN (:meth:`StepGuard.seed`), so it always makes
+  non-finite gradients (``loss + inf`` alone would give finite ones).
+- At the step, the count of non-finite gradient elements rides on the all-reduce the step
+  already does for the gradient norm (``gradient_clipping``) or the fp16 overflow check.
+  Without one, one all-reduce of two numbers does it, counted apart as ``step_check``
+  (stage 0 needs none: its gradients are all-reduced, so every rank holds the same values;
+  tensor and pipeline parallel ranks are always included).
+- With ``offload_optimizer: cpu`` and nothing global before the step, units are stepped
+  during backward: a rank's non-finite gradient is spread to the whole reduced group (every
+  rank's shard holds NaN), each rank's stepper refuses that unit and every one after it, and
+  :meth:`StepGuard.check_unit_steps` agrees on the outcome.
+
+fp16 keeps its loss scaler: an overflow skips the step and lowers the scale (never raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from meshzero.comm import Communicator
+    from meshzero.zero.sharded_optimizer import ShardedOptimizerState
+
+logger = logging.getLogger(__name__)
+
+CHECK_OP = "step_check"  # the comm_report name of the check's own all-reduce
+
+
+class NonFiniteGradientsError(FloatingPointError):
+    """A step met inf/nan gradients with ``faults.nonfinite_grads: "raise"`` (the step was
+    skipped first), or after units were already stepped during backward."""
+
+
+class StepGuard:
+    """The non-finite check of one engine's steps and what it decided."""
+
+    def __init__(self, *, mode: str, fp16: bool, comm: Communicator,
+                 model_parallel: Sequence[Communicator] = (), rank: int = 0):
+        """``mode``: faults.nonfinite_grads; ``comm``: the ranks ZeRO shards over;
+        ``model_parallel``: tp and pp communicators (their ranks hold other parameters)."""
+        if mode not in ("skip", "raise"):
+            raise ValueError(f"faults.nonfinite_grads = {mode!r}; use 'skip' or 'raise'")
+        self.mode = mode
+        self.fp16 = fp16
+        self.comm = comm
+        self.model_parallel = list(model_parallel)
+        self.rank = rank
+        self.step_applied = False  # whether the last step() changed the weights
+
+    @staticmethod
+    def seed(loss: torch.Tensor) -> torch.Tensor:
+        """The gradient to start ``backward`` of a scalar ``loss`` from: 1, or NaN when the
+        loss is inf/nan (no host sync: a device-side select)."""
+        finite = torch.isfinite(loss.detach()).all()
+        one = torch.ones((), dtype=torch.float32, device=loss.device)
+        return torch.where(finite, one, torch.full_like(one, math.nan))
+
+    def grad_stats(self, state: ShardedOptimizerState, *, clip: float,
+                   replicated_weight: dict[int, float] | None) -> tuple[float, bool]:
+        """(squared global gradient norm or 0, whether any gradient on any rank is
+        non-finite), with the step's one all-reduce."""
+        need_norm = clip > 0
+        rides = need_norm or self.fp16  # the step all-reduces stats anyway
+        return state.reduce_grad_stats(
+            need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
+            replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP)
+
+    def check_unit_steps(self, stepped: int, refused: int, step: int) -> bool:
+        """After units were stepped during backward: True (skip the step) when every rank
+        refused its first unit for non-finite gradients; raise when some were stepped."""
+        flags = torch.tensor([float(refused > 0), float(stepped > 0)], dtype=torch.float64)
+        for comm in [self.comm, *self.model_parallel]:
+            comm.all_reduce(flags, name=CHECK_OP).wait()
+        any_refused, any_stepped = flags.tolist()
+        if not any_refused:
+            return False
+        if any_stepped:
+            raise NonFiniteGradientsError(
+                f"step {step}: non-finite gradients reached the optimizer after some units "
+                "had been stepped during backward (offload_optimizer cpu steps each unit as "
+                "soon as its gradient is reduced); no weight holds inf/nan, but the step was "
+                "applied to part of the model: load the last checkpoint. To have such "
+                "steps skipped whole, set gradient_clipping > 0 or "
+                "engine.overlap_offload_step = False")
+        return True
+
+    def count_skip(self, counters, step: int, loss_scale: float) -> None:
+        """Count a skipped step in ``counters.skipped_steps`` and say why."""
+        counters.skipped_steps += 1
+        if self.fp16:
+            logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
+                        step, loss_scale)
+        elif self.rank == 0:  # the decision is the same on every rank: say it once
+            logger.warning("step %d: inf/nan gradients (or loss) on some rank; the step was "
+                           "skipped on every rank (faults.nonfinite_grads: %s, skipped_steps "
+                           "%d)", step, self.mode, counters.skipped_steps)
+
+    def finish(self, skipped: bool, step: int) -> bool:
+        """Record the step's outcome (returned: whether it was applied); in "raise" mode a
+        skipped fp32/bf16 step raises, on every rank, after the step is closed."""
+        self.step_applied = not skipped
+        if skipped and self.mode == "raise" and not self.fp16:
+            raise NonFiniteGradientsError(
+                f"step {step}: inf/nan gradients (or loss) on some rank; the step was skipped "
+                "on every rank, no weight changed (faults.nonfinite_grads: raise; 'skip' "
+                "goes on training)")
+        return self.step_applied
