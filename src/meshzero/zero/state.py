@@ -123,6 +123,18 @@ class ZeroModelState:
         """Wait for the unit steps of the last backward; True if it stepped everything."""
         return self.tier.finish_unit_steps()
 
+    def agree_io_failures(self) -> bool:
+        """Collective, before any other of the step: whether a rank's offload I/O lost
+        gradient data (NVMe); then the gradients are dropped and :meth:`refuse_lost_step`
+        raises on every rank until a new backward."""
+        if not self.tier.agree_io_failures():
+            return False
+        self.zero_grads()
+        return True
+
+    def refuse_lost_step(self) -> None:
+        self.tier.refuse_lost_step()
+
     def optimizer_step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
         self.tier.step(scale)
