@@ -121,8 +121,9 @@ def test_model_states_equal_memory_report(tmp_path, world_size):
         memory, comm = measured[0][i]
         assert est.gathered + resident == memory["gathered_params_peak"], (kind, config)
         # the planner's communication volume is what the engine sends
-        # (stage 3's 8-byte unit-order checks are not parameter traffic: not planned)
-        data = [op for name, op in comm.items() if name != "order_check"]
+        # (stage 3's 8-byte unit-order checks and the NVMe tier's step_check flags are not
+        # parameter traffic: not planned)
+        data = [op for name, op in comm.items() if name not in ("order_check", "step_check")]
         sent = sum(op["bytes"] for op in data)
         ops = sum(op["count"] for op in data)
         assert communication_bytes(states.layout, settings) == pytest.approx(sent, abs=ops)
