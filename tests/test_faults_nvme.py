@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -34,13 +35,16 @@ def _config(path: str, stage: int, grad_accum: int) -> dict:
     return cfg
 
 
-def _batch(engine, batch, rank: int, world_size: int) -> None:
-    """Forward and backward of every micro-batch of one global batch (no step)."""
+def _batch(engine, batch, rank: int, world_size: int) -> float:
+    """Forward and backward of every micro-batch of one global batch (no step); the loss
+    of the last."""
     for micro in range(engine.grad_accum):
         x, y = split_for_rank(batch, rank, world_size, engine.grad_accum, micro)
-        engine.backward(F.mse_loss(engine(x), y))
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
         if micro < engine.grad_accum - 1:
             engine.step()
+    return loss.item()
 
 
 def _train(path: str, stage: int, grad_accum: int, batches, rank: int, world_size: int):
@@ -52,22 +56,24 @@ def _train(path: str, stage: int, grad_accum: int, batches, rank: int, world_siz
     return engine
 
 
-def _enospc_on(name: str):
-    """Every ``os.pwrite`` to a file called ``name`` fails as on a full disk; returns the
-    undo (what freeing space does)."""
-    real = os.pwrite
-
-    def pwrite(fd, data, offset):
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
-
-    os.pwrite = pwrite
-    return lambda: setattr(os, "pwrite", real)
+# fault -> (the os call that fails, on files whose name starts with, the errno)
+FAULTS = {"grad-write": ("pwrite", "grad", errno.ENOSPC),
+          "shard-read": ("preadv", "params.", errno.EIO)}
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+def _inject(fault: str):
+    """Every ``os.pwrite`` (or ``os.preadv``) on the fault's files fails with its errno, as
+    on a full (or failing) disk; returns the undo (what freeing space does)."""
+    call, prefix, code = FAULTS[fault]
+    real = getattr(os, call)
+
+    def failing(fd, *args):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(prefix):
+            raise OSError(code, os.strerror(code))
+        return real(fd, *args)
+
+    setattr(os, call, failing)
+    return lambda: setattr(os, call, real)
 
 
 def _refusals(engine, count: int) -> tuple[list[str], list[float]]:
@@ -81,19 +87,23 @@ def _refusals(engine, count: int) -> tuple[list[str], list[float]]:
     return errors, seconds
 
 
-def _enospc_run(rank: int, world_size: int, root: str, stage: int, grad_accum: int) -> dict:
+def _fault_run(rank: int, world_size: int, root: str, stage: int, grad_accum: int,
+               fault: str) -> dict:
     batches = make_batches("mlp", 4, 8)
     engine = _train(f"{root}/run", stage, grad_accum, batches[:2], rank, world_size)
-    before, steps = _params(engine), engine.global_steps
-    free_space = _enospc_on("grad") if rank == 1 else None  # only rank 1's disk is full
-    _batch(engine, batches[2], rank, world_size)
+    # the fp32 masters (a collective; touching stage-3 parameters would gather them)
+    before, steps = engine.full_state_dict(), engine.global_steps
+    free_space = _inject(fault) if rank == 1 else None  # only rank 1's disk fails
+    loss = _batch(engine, batches[2], rank, world_size)
     # the agreed refusal, then the same one again: no stale error per queued write
     errors, seconds = _refusals(engine, 3)
     if free_space is not None:
         free_space()
     errors += _refusals(engine, 1)[0]  # space is back, but the gradients are still lost
     out = {"errors": errors, "seconds": seconds, "steps": engine.global_steps - steps,
-           "unchanged": all(torch.equal(p, before[n]) for n, p in _params(engine).items())}
+           "loss": loss,
+           "unchanged": all(torch.equal(v, before[n])
+                            for n, v in engine.full_state_dict().items())}
     _batch(engine, batches[3], rank, world_size)  # a new backward, then the step works
     engine.step()
     out["params"] = engine.full_state_dict()
@@ -106,18 +116,26 @@ def _enospc_run(rank: int, world_size: int, root: str, stage: int, grad_accum: i
     return out
 
 
-@pytest.mark.parametrize(("stage", "grad_accum"), [
-    (2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
-def test_failed_gradient_write_refuses_the_step_on_every_rank(tmp_path, stage, grad_accum):
+@pytest.mark.parametrize(("stage", "grad_accum", "fault"), [
+    (2, 1, "grad-write"), (3, 1, "shard-read"),
+    pytest.param(3, 2, "grad-write", marks=pytest.mark.slow)])
+def test_failed_nvme_io_refuses_the_step_on_every_rank(tmp_path, stage, grad_accum, fault):
+    """Gradient writes fail on rank 1 (disk full), or at stage 3 its parameter shard reads
+    in forward: every rank refuses the step with rank 1's file and errno, without a hang."""
     for sub in ("run", "ref"):
         (tmp_path / sub).mkdir()
     # one rank's disk full must not hang the other: the helper's timeout fails a hang
-    results = run_distributed(_enospc_run, 2, tmp_path, str(tmp_path), stage, grad_accum,
-                              timeout=90)
+    results = run_distributed(_fault_run, 2, tmp_path, str(tmp_path), stage, grad_accum,
+                              fault, timeout=90)
+    want = {"grad-write": "/grad cannot be written: [ENOSPC] No space left on device",
+            "shard-read": "cannot be read: [EIO] Input/output error (parameter shard of"}
     for rank, r in enumerate(results):
         first = r["errors"][0]
-        assert "/grad cannot be written: [ENOSPC] No space left on device" in first, first
-        assert "on rank 1" in first and "refused on every rank" in first, first
+        assert want[fault] in first, first
+        # a shard read fails in forward: the all-gather goes on with a NaN shard
+        assert math.isnan(r["loss"]) == (fault == "shard-read"), r["loss"]
+        assert "lost data of this step on rank 1" in first, first
+        assert "step() is refused on every rank and no weight changed" in first, first
         assert f"meshzero-rank{1:05d}-" in first  # the file of rank 1, on every rank
         assert all(e == first for e in r["errors"]), r["errors"]
         assert max(r["seconds"]) < 10, r["seconds"]

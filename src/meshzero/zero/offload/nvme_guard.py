@@ -88,13 +88,17 @@ class IOFaults:
         try:
             fn(*args)
         except NvmeIOError as exc:
-            with self._lock:
-                first, self.lost = self.lost is None, self.lost or str(exc)
-            if first:  # one line, not one per queued write
-                logger.error("%s: the data is lost; step() will refuse on every rank until "
-                             "a new backward", exc)
+            self.record(exc)
             return False
         return True
+
+    def record(self, exc: NvmeIOError) -> None:
+        """``exc`` lost data: the next step is refused on every rank."""
+        with self._lock:
+            first, self.lost = self.lost is None, self.lost or str(exc)
+        if first:  # one line, not one per queued write
+            logger.error("%s: the data is lost; step() will refuse on every rank until a new "
+                         "backward", exc)
 
     def agree(self, comm: Communicator, device: torch.device) -> bool:
         """Whether any rank lost data (collective: every rank calls it at the start of the
@@ -105,7 +109,7 @@ class IOFaults:
         if not failures:
             return False
         self.refused = (
-            f"NVMe offload lost gradient data {describe_failures(failures)}. step() is "
+            f"NVMe offload lost data of this step {describe_failures(failures)}. step() is "
             "refused on every rank and no weight changed: free space on the NVMe drive (or "
             "fix the file), then run forward and backward again (the whole accumulation "
             "window) and call step(); step() refuses until a new backward")

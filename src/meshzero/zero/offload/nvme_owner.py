@@ -110,6 +110,18 @@ def make_run_dir(parent: str, prefix: str) -> str:
     return path
 
 
+def make_rank_dirs(path: str | None, param_path: str | None, rank: int) -> tuple[str, str]:
+    """``rank``'s directory under ``path`` and, when parameters go to another path, one
+    under ``param_path`` (else the same), after reclaiming those of dead runs there."""
+    assert path is not None  # checked by NvmeTier before any file is made
+    reclaim_stale(path)
+    main = make_run_dir(path, f"{PREFIX}{rank:05d}-")
+    if param_path is None:
+        return main, main
+    reclaim_stale(param_path)
+    return main, make_run_dir(param_path, f"{PREFIX}{rank:05d}-params-")
+
+
 def reclaim_stale(parent: str) -> list[str]:
     """Remove the directories under ``parent`` whose owner is gone (module docstring);
     returns them."""

@@ -46,13 +46,7 @@ from meshzero.zero.offload.nvme_io import (
     TileBuffers,
     TilePlanner,
 )
-from meshzero.zero.offload.nvme_owner import (
-    CLEANUP,
-    PREFIX,
-    make_run_dir,
-    reclaim_stale,
-    remove_dirs,
-)
+from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
 
 if TYPE_CHECKING:
@@ -78,7 +72,11 @@ class NvmeStore:
         self.gen = 0
         self.stepped = False
         self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
-        self.dir, self.param_dir = self._make_dirs(comm.rank)
+        separate = options.param == "nvme" and \
+            options.param_nvme_path != options.optimizer_nvme_path
+        self.dir, self.param_dir = make_rank_dirs(
+            options.optimizer_nvme_path, options.param_nvme_path if separate else None,
+            comm.rank)
         token = CLEANUP.add([self.dir, self.param_dir])  # removed on SIGTERM / SIGINT
         self._cleanup = weakref.finalize(self, _remove, [self.dir, self.param_dir], token)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-read")
@@ -94,20 +92,6 @@ class NvmeStore:
         for kind in ("master", "params"):
             self._create(kind, scalar=False)
         self._preallocate(self.grad_file.path, self.space_numel * 4)
-
-    def _make_dirs(self, rank: int) -> tuple[str, str]:
-        """This rank's directory (and one for parameters on another path), after removing
-        those of dead runs on the same paths."""
-        opts = self.options
-        separate = opts.param == "nvme" and opts.param_nvme_path != opts.optimizer_nvme_path
-        assert opts.optimizer_nvme_path is not None  # checked by NvmeTier before
-        reclaim_stale(opts.optimizer_nvme_path)
-        main = make_run_dir(opts.optimizer_nvme_path, f"{PREFIX}{rank:05d}-")
-        if not separate:
-            return main, main
-        assert opts.param_nvme_path is not None  # checked by NvmeTier before
-        reclaim_stale(opts.param_nvme_path)
-        return main, make_run_dir(opts.param_nvme_path, f"{PREFIX}{rank:05d}-params-")
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Each tile's leaves by param group, once (a step passes them to step_subset)."""
@@ -231,9 +215,11 @@ class NvmeStore:
         error: Exception | None = None
         if self.faults.lost is not None:  # a gradient read of grad_stats failed
             error = NvmeIOError(self.faults.lost)
+        fresh: list[tuple[FlatGroup, torch.Tensor]] = []
         try:
             if error is None:
                 self._step_tiles(optimizer, scale, new)
+                fresh = self._read_params(new)  # before the commit: a failure is agreed on
         except NvmeIOError as exc:
             error = exc
         try:
@@ -244,7 +230,8 @@ class NvmeStore:
             raise
         self.gen = new
         self.stepped = True
-        self.refresh_params()
+        for g, host in fresh:
+            g.owned_params().copy_(host)
 
     def _restore(self, optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
         for leaf in self.leaves:
@@ -356,17 +343,20 @@ class NvmeStore:
         return self._state_ph[key]
 
     # -- compute parameters ------------------------------------------------------------------
-    def refresh_params(self) -> None:
-        """After a commit: the updated compute params into the device (or host) buffers;
-        with offload_param nvme the sharded groups are read at their next all-gather."""
+    def _read_params(self, gen: int) -> list[tuple[FlatGroup, torch.Tensor]]:
+        """The updated compute params of generation ``gen`` for the device (or host)
+        buffers; with offload_param nvme the sharded groups are read at their next
+        all-gather."""
+        out = []
         for g in self.groups:
             if not g.trainable or (g.sharded and self.options.param == "nvme"):
                 continue
             lo, hi = g.owned
             host = torch.empty(hi - lo, dtype=self.compute_dtype)
-            self.file("params", self.gen).read(g.space_offset, host,
-                                               f"parameters of {g.layout.slots[0].name}")
-            g.owned_params().copy_(host)
+            self.file("params", gen).read(g.space_offset, host,
+                                          f"parameters of {g.layout.slots[0].name}")
+            out.append((g, host))
+        return out
 
     def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
         host = torch.empty(g.layout.shard_numel, dtype=self.compute_dtype,
@@ -394,8 +384,17 @@ class NvmeStore:
             fut.exception()
 
     def read_shard(self, g: FlatGroup) -> torch.Tensor:
+        """``g``'s shard for its all-gather. A failed read must not keep this rank out of
+        the all-gather the others are in: the shard is NaN (every rank's output shows it)
+        and the data recorded as lost, so the step is refused on every rank."""
         fut = self._shard_reads.pop(id(g), None)
-        return fut.result() if fut is not None else self._read_shard_now(g)
+        if fut is not None and fut.exception() is None:
+            return fut.result()
+        try:  # a read ahead that failed (perhaps before the fault was fixed) is tried again
+            return self._read_shard_now(g)
+        except NvmeIOError as exc:
+            self.faults.record(exc)
+            return torch.full((g.layout.shard_numel,), float("nan"), dtype=self.compute_dtype)
 
     # -- everything in memory at once (checkpoints, full_state_dict) -------------------------
     @contextmanager
