@@ -250,6 +250,50 @@ def test_signal_removes_the_files_and_ends_the_process_by_it(tmp_path, signals):
         assert _runs(path) == [], (sig, _runs(path))
 
 
+TORCHRUN_SCRIPT = """
+import os, sys, time, torch
+import torch.distributed as dist
+from torch import nn
+import meshzero
+torch.manual_seed(0)
+cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                             "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]},
+                             "offload_param": {"device": "nvme", "nvme_path": sys.argv[1]}}}
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+engine, *_ = meshzero.initialize(model=model, config=cfg)
+engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+engine.step()
+dist.barrier()
+if dist.get_rank() == 0:
+    print("ready", flush=True)
+while True:
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
+    """What Slurm and Kubernetes do at preemption: SIGTERM to the launcher, which sends it
+    on to its workers."""
+    script, nvme = tmp_path / "job.py", tmp_path / "nvme"
+    script.write_text(TORCHRUN_SCRIPT)
+    nvme.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=2", str(script), str(nvme)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.communicate(timeout=120))
+    assert len(_runs(nvme)) == 2  # one directory per rank
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err[-2000:]
+    assert _runs(nvme) == [], (_runs(nvme), err[-2000:])
+
+
 # -- stale directories ---------------------------------------------------------------------------
 def _owner_dir(parent, name: str, **changes) -> str:
     me = nvme_owner.identity()
