@@ -125,11 +125,13 @@ class ZeroModelState:
 
     def agree_io_failures(self) -> bool:
         """Collective, before any other of the step: whether a rank's offload I/O lost
-        gradient data (NVMe); then the gradients are dropped and :meth:`refuse_lost_step`
-        raises on every rank until a new backward."""
+        gradient data (NVMe); then the gradients and units still gathered (they may hold
+        what a failed read gave) are dropped, and :meth:`refuse_lost_step` raises on every
+        rank until a new backward."""
         if not self.tier.agree_io_failures():
             return False
         self.zero_grads()
+        self.after_step()
         return True
 
     def refuse_lost_step(self) -> None:

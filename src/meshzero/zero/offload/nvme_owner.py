@@ -169,6 +169,9 @@ class SignalCleanup:
 
     def add(self, paths: list[str]) -> int:
         """Remove ``paths`` on SIGTERM / SIGINT; returns a token for :meth:`discard`."""
+        if os.getpid() != self.pid:  # a forked child: the parent's directories are not ours
+            self.paths.clear()
+            self.pid = os.getpid()
         self._next += 1
         self.paths[self._next] = list(paths)
         self._install()
