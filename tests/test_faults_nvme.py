@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,7 +65,10 @@ FAULTS = {"grad-write": ("pwrite", "grad", errno.ENOSPC),
 def _inject(fault: str):
     """Every ``os.pwrite`` (or ``os.preadv``) on the fault's files fails with its errno, as
     on a full (or failing) disk; returns the undo (what freeing space does)."""
-    call, prefix, code = FAULTS[fault]
+    return _inject_on(*FAULTS[fault])
+
+
+def _inject_on(call: str, prefix: str, code: int):
     real = getattr(os, call)
 
     def failing(fd, *args):
@@ -106,6 +110,13 @@ def _fault_run(rank: int, world_size: int, root: str, stage: int, grad_accum: in
                             for n, v in engine.full_state_dict().items())}
     _batch(engine, batches[3], rank, world_size)  # a new backward, then the step works
     engine.step()
+    # reading the files in for a checkpoint fails on rank 1: every rank raises
+    undo = _inject_on("preadv", "master.", errno.EIO) if rank == 1 else None
+    with pytest.raises(NvmeIOError) as info:
+        engine.full_state_dict()
+    out["read_error"] = str(info.value)
+    if undo is not None:
+        undo()
     out["params"] = engine.full_state_dict()
     engine.close()
     # the run that never saw batch 2
@@ -140,6 +151,9 @@ def test_failed_nvme_io_refuses_the_step_on_every_rank(tmp_path, stage, grad_acc
         assert all(e == first for e in r["errors"]), r["errors"]
         assert max(r["seconds"]) < 10, r["seconds"]
         assert r["unchanged"] and r["steps"] == 0, rank
+        assert re.search(r"/master\.[01] cannot be read: \[EIO\] Input/output error",
+                         r["read_error"]), r["read_error"]
+        assert ("another rank" in r["read_error"]) == (rank == 0), r["read_error"]
         for name, value in r["want"].items():
             assert torch.equal(r["params"][name], value), (rank, name)
 
