@@ -121,8 +121,8 @@ def test_model_states_equal_memory_report(tmp_path, world_size):
         memory, comm = measured[0][i]
         assert est.gathered + resident == memory["gathered_params_peak"], (kind, config)
         # the planner's communication volume is what the engine sends
-        # (stage 3's 8-byte unit-order checks and the step's 16-byte non-finite check are
-        # not parameter traffic: not planned)
+        # (stage 3's 8-byte unit-order checks, the step's non-finite check and the NVMe tier's
+        # I/O flags, all step_check, are not parameter traffic: not planned)
         data = [op for name, op in comm.items() if name not in ("order_check", "step_check")]
         sent = sum(op["bytes"] for op in data)
         ops = sum(op["count"] for op in data)

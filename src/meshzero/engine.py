@@ -258,9 +258,13 @@ class Engine(nn.Module):
         """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
         whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
         self.guard.step_applied = False
+        self.zero.refuse_lost_step()  # offload I/O lost gradients: until a new backward
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return False
+        if self.zero.agree_io_failures():  # every rank, before any other collective
+            self.micro_steps -= self.grad_accum - 1  # the whole window is run again
+            self.zero.refuse_lost_step()
         if not self.zero.has_reduced_gradients():
             # all gradients are zero: AdamW would still apply weight decay and its momentum
             warn_once(logger, "engine.step() with no engine.backward() since the last step "

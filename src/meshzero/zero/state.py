@@ -127,6 +127,20 @@ class ZeroModelState:
         """(units stepped, units refused for inf/nan gradients) during the last backward."""
         return self.tier.unit_step_outcome()
 
+    def agree_io_failures(self) -> bool:
+        """Collective, before any other of the step: whether a rank's offload I/O lost
+        gradient data (NVMe); then the gradients and units still gathered (they may hold
+        what a failed read gave) are dropped, and :meth:`refuse_lost_step` raises on every
+        rank until a new backward."""
+        if not self.tier.agree_io_failures():
+            return False
+        self.zero_grads()
+        self.after_step()
+        return True
+
+    def refuse_lost_step(self) -> None:
+        self.tier.refuse_lost_step()
+
     def optimizer_step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
         self.tier.step(scale)

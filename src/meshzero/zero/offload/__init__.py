@@ -9,6 +9,8 @@ physical memory as the device, but it is still a second copy kept apart, exactly
     device.py     DeviceTier: no offload
     host.py       HostTier: host buffers, units stepped on a worker thread during backward
     nvme.py       NvmeTier: path checks, files through nvme_store.py, tiles from nvme_io.py
+    nvme_guard.py lost I/O data, every rank's agreement on it, the refused step
+    nvme_owner.py directory owners, stale directories reclaimed, removal on SIGTERM/SIGINT
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ class NvmeTier(Tier):
                     self._offsets[(g.unit, g.index)] = self.space_numel
                     self.space_numel += g.shard_numel
         self._check_space()
-        self.store = NvmeStore(self.comm, self.options, self.compute_dtype, self.space_numel)
+        self.store = NvmeStore(self.comm, self.options, self.compute_dtype, self.space_numel,
+                               device=self.device)
 
     def _check_space(self) -> None:
         """The paths have room for this node's ranks (upper bound: two generations of master,
@@ -128,6 +129,16 @@ class NvmeTier(Tier):
 
     def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float] | None:
         return self.store.grad_stats(need_norm, need_overflow)
+
+    def start_backward(self, boundary: bool, step_scale: float | None) -> None:
+        self.store.faults.new_backward()
+
+    def agree_io_failures(self) -> bool:
+        self.store.flush_grads()
+        return self.store.faults.agree(self.store.world, self.device)
+
+    def refuse_lost_step(self) -> None:
+        self.store.faults.refuse()
 
     def step(self, scale: float) -> None:
         self.store.step(self.optimizer, scale)

@@ -5,6 +5,7 @@ and their host buffers."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +17,12 @@ from meshzero.zero.units import Fragment
 
 class NvmeIOError(RuntimeError):
     """An NVMe offload file is missing, truncated or cannot be written."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``[ENOSPC] No space left on device``: the errno's name, then its text."""
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"[{name}] {exc.strerror}" if name else str(exc.strerror or exc)
 
 
 def _raw(t: torch.Tensor):
@@ -37,7 +44,7 @@ class NvmeFile:
             raise NvmeIOError(f"NVMe offload file {self.path} is missing ({what})") from None
         except OSError as exc:
             raise NvmeIOError(f"NVMe offload file {self.path} cannot be opened: "
-                              f"{exc.strerror} ({what})") from None
+                              f"{describe_os_error(exc)} ({what})") from None
 
     def write(self, index: int, t: torch.Tensor, what: str) -> None:
         self._transfer(index, t, what, writing=True)
@@ -61,8 +68,8 @@ class NvmeFile:
                 view, offset = view[n:], offset + n
         except OSError as exc:
             raise NvmeIOError(f"NVMe offload file {self.path} cannot be "
-                              f"{'written' if writing else 'read'}: {exc.strerror} "
-                              f"({what})") from None
+                              f"{'written' if writing else 'read'}: "
+                              f"{describe_os_error(exc)} ({what})") from None
         finally:
             os.close(fd)
 

@@ -17,14 +17,14 @@ A step reads tile k+1 on a reader thread while tile k is stepped and tile k-1 is
 a writer thread (``os.preadv``/``os.pwrite`` release the GIL). It writes the *other*
 generation; only when every rank has written all its tiles does the generation flip, so an
 I/O error leaves every shard on every rank at the previous step (the error names the file
-and the parameters of the tile).
+and the parameters of the tile). A failed gradient write is recorded as lost data, never
+raised on one rank (nvme_guard.py); the directories record their owner, are reclaimed when
+it is dead and removed on SIGTERM (nvme_owner.py).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -37,6 +37,7 @@ from torch import nn
 
 from meshzero.zero.flat_buffer import FlatGroup, free_storage
 from meshzero.zero.offload.host import step_subset, subsets_by_group
+from meshzero.zero.offload.nvme_guard import IOFaults, raise_agreed, world_communicator
 from meshzero.zero.offload.nvme_io import (
     CUT,
     NvmeFile,
@@ -45,6 +46,7 @@ from meshzero.zero.offload.nvme_io import (
     TileBuffers,
     TilePlanner,
 )
+from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
 
 if TYPE_CHECKING:
@@ -55,23 +57,28 @@ class NvmeStore:
     """Files, tiles and the tiled optimizer step of one rank."""
 
     def __init__(self, comm: Communicator, options: OffloadOptions,
-                 compute_dtype: torch.dtype, space_numel: int):
+                 compute_dtype: torch.dtype, space_numel: int,
+                 device: torch.device = HOST):
         """The files; masters arrive by :meth:`write_master` while the groups are built,
-        then :meth:`attach` takes the groups and the optimizer leaves."""
+        then :meth:`attach` takes the groups and the optimizer leaves. ``device``: where
+        the agreement collectives' flags live (the process group's device)."""
         self.comm = comm
+        self.world = world_communicator(comm.stats)  # every rank agrees on I/O faults
+        self.device = device
+        self.faults = IOFaults()
         self.options = options
         self.compute_dtype = compute_dtype
         self.space_numel = space_numel
         self.gen = 0
         self.stepped = False
         self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
-        self.dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-",
-                                    dir=options.optimizer_nvme_path)
-        self.param_dir = self.dir
-        if options.param == "nvme" and options.param_nvme_path != options.optimizer_nvme_path:
-            self.param_dir = tempfile.mkdtemp(prefix=f"meshzero-rank{comm.rank:05d}-params-",
-                                              dir=options.param_nvme_path)
-        self._cleanup = weakref.finalize(self, _remove, [self.dir, self.param_dir])
+        separate = options.param == "nvme" and \
+            options.param_nvme_path != options.optimizer_nvme_path
+        self.dir, self.param_dir = make_rank_dirs(
+            options.optimizer_nvme_path, options.param_nvme_path if separate else None,
+            comm.rank)
+        token = CLEANUP.add([self.dir, self.param_dir])  # removed on SIGTERM / SIGINT
+        self._cleanup = weakref.finalize(self, _remove, [self.dir, self.param_dir], token)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-write")
         self._pool: list[TileBuffers] = []
@@ -163,15 +170,19 @@ class NvmeStore:
 
     # -- gradients (main thread, as units are reduced) --------------------------------------
     def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
+        """Write (or add) a reduced gradient; an I/O error is recorded as lost data (the
+        step refuses on every rank), never raised here on one rank."""
         host = out.detach().to(HOST, torch.float32)
         what = f"gradient of {group.layout.slots[0].name} and its group"
+        if not accumulate:
+            self.faults.new_backward()  # a pipeline's held gradients never start_backward
         if accumulate:
             self.flush_grads()
             prev = torch.empty_like(host)
-            self.grad_file.read(group.space_offset, prev, what)
-            host = host + prev
-        self._grad_writes.append(self._writer.submit(self.grad_file.write, group.space_offset,
-                                                     host, what))
+            if self.faults.run(self.grad_file.read, group.space_offset, prev, what):
+                host = host + prev
+        self._grad_writes.append(self._writer.submit(
+            self.faults.run, self.grad_file.write, group.space_offset, host, what))
         while len(self._grad_writes) > self.options.buffer_count:
             self._grad_writes.popleft().result()
 
@@ -186,7 +197,8 @@ class NvmeStore:
         buf = torch.empty(self.tile_numel)
         for tile in self.tiles:
             g = buf[:tile.numel]
-            self.grad_file.read(tile.start, g, tile.describe())
+            if not self.faults.run(self.grad_file.read, tile.start, g, tile.describe()):
+                continue  # lost: the step below is refused on every rank
             if need_norm:
                 sq += g.double().pow(2).sum().item()
             if need_overflow:
@@ -201,22 +213,25 @@ class NvmeStore:
         new = 1 - self.gen
         snapshot = {id(p): dict(s) for p, s in optimizer.state.items()}
         error: Exception | None = None
+        if self.faults.lost is not None:  # a gradient read of grad_stats failed
+            error = NvmeIOError(self.faults.lost)
+        fresh: list[tuple[FlatGroup, torch.Tensor]] = []
         try:
-            self._step_tiles(optimizer, scale, new)
+            if error is None:
+                self._step_tiles(optimizer, scale, new)
+                fresh = self._read_params(new)  # before the commit: a failure is agreed on
         except NvmeIOError as exc:
             error = exc
-        failed = torch.tensor([0.0 if error is None else 1.0])
-        if self.comm.size > 1:
-            self.comm.all_reduce(failed).wait()
-        if failed.item() > 0:
+        try:
+            raise_agreed(self.world, self.device, error,
+                         "the optimizer step was not applied on any rank")
+        except NvmeIOError:
             self._restore(optimizer, snapshot)
-            if error is not None:
-                raise NvmeIOError(f"{error}; the optimizer step was not applied on any rank")
-            raise NvmeIOError("NVMe offload I/O failed on another rank; the optimizer step "
-                              "was not applied on any rank")
+            raise
         self.gen = new
         self.stepped = True
-        self.refresh_params()
+        for g, host in fresh:
+            g.owned_params().copy_(host)
 
     def _restore(self, optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
         for leaf in self.leaves:
@@ -328,17 +343,20 @@ class NvmeStore:
         return self._state_ph[key]
 
     # -- compute parameters ------------------------------------------------------------------
-    def refresh_params(self) -> None:
-        """After a commit: the updated compute params into the device (or host) buffers;
-        with offload_param nvme the sharded groups are read at their next all-gather."""
+    def _read_params(self, gen: int) -> list[tuple[FlatGroup, torch.Tensor]]:
+        """The updated compute params of generation ``gen`` for the device (or host)
+        buffers; with offload_param nvme the sharded groups are read at their next
+        all-gather."""
+        out = []
         for g in self.groups:
             if not g.trainable or (g.sharded and self.options.param == "nvme"):
                 continue
             lo, hi = g.owned
             host = torch.empty(hi - lo, dtype=self.compute_dtype)
-            self.file("params", self.gen).read(g.space_offset, host,
-                                               f"parameters of {g.layout.slots[0].name}")
-            g.owned_params().copy_(host)
+            self.file("params", gen).read(g.space_offset, host,
+                                          f"parameters of {g.layout.slots[0].name}")
+            out.append((g, host))
+        return out
 
     def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
         host = torch.empty(g.layout.shard_numel, dtype=self.compute_dtype,
@@ -366,16 +384,44 @@ class NvmeStore:
             fut.exception()
 
     def read_shard(self, g: FlatGroup) -> torch.Tensor:
+        """``g``'s shard for its all-gather. A failed read must not keep this rank out of
+        the all-gather the others are in: the shard is NaN (every rank's output shows it)
+        and the data recorded as lost, so the step is refused on every rank."""
         fut = self._shard_reads.pop(id(g), None)
-        return fut.result() if fut is not None else self._read_shard_now(g)
+        if fut is not None and fut.exception() is None:
+            return fut.result()
+        try:  # a read ahead that failed (perhaps before the fault was fixed) is tried again
+            return self._read_shard_now(g)
+        except NvmeIOError as exc:
+            self.faults.record(exc)
+            return torch.full((g.layout.shard_numel,), float("nan"), dtype=self.compute_dtype)
 
     # -- everything in memory at once (checkpoints, full_state_dict) -------------------------
     @contextmanager
     def materialized(self, optimizer: torch.optim.Optimizer, index: list,
                      write_back: bool) -> Iterator[None]:
         """Read every master, state tensor and (param nvme) shard into memory; with
-        ``write_back`` write them to the current generation afterwards."""
+        ``write_back`` write them to the current generation afterwards. An I/O error on
+        any rank raises on every rank (collective: every rank enters it)."""
         self.flush_grads()
+        try:
+            self._agreed(self._read_all, optimizer, index, what="nothing was read")
+            yield
+            if write_back:
+                self._agreed(self._write_back, optimizer, index,
+                             what="the values were not all written to the NVMe files")
+        finally:
+            self._release(optimizer, index)
+
+    def _agreed(self, fn, *args, what: str) -> None:
+        error = None
+        try:
+            fn(*args)
+        except NvmeIOError as exc:
+            error = exc
+        raise_agreed(self.world, self.device, error, what)
+
+    def _read_all(self, optimizer: torch.optim.Optimizer, index: list) -> None:
         # fresh tensors rather than re-grown storage: a checkpoint writer may hand them to
         # numpy, which pins their storage size
         for g in self.groups:
@@ -394,12 +440,6 @@ class NvmeStore:
                     pos = i if scalar else g.space_offset + frag.local_offset
                     self.file(kind, self.gen).read(pos, t.reshape(-1), kind)
                     state[kind] = t
-        try:
-            yield
-            if write_back:
-                self._write_back(optimizer, index)
-        finally:
-            self._release(optimizer, index)
 
     def _write_back(self, optimizer: torch.optim.Optimizer, index: list) -> None:
         for g in self.groups:
@@ -445,6 +485,6 @@ class NvmeStore:
         self._cleanup()
 
 
-def _remove(paths: list[str]) -> None:
-    for path in dict.fromkeys(paths):
-        shutil.rmtree(path, ignore_errors=True)
+def _remove(paths: list[str], token: int) -> None:
+    CLEANUP.discard(token)
+    remove_dirs(paths)

@@ -216,6 +216,16 @@ class Tier(ABC):
         """(units stepped, units refused for inf/nan gradients) in the last backward."""
         return 0, 0
 
+    def agree_io_failures(self) -> bool:
+        """Whether any rank lost gradient data in I/O since the last step (then the step is
+        refused on every rank until a new backward); a collective where a tier does I/O
+        (nvme_guard.py), called by every rank before any other collective of the step."""
+        return False
+
+    def refuse_lost_step(self) -> None:
+        """Raise while a step is refused by :meth:`agree_io_failures` (no collective)."""
+        return None
+
     def step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
         self.optim_state.scale_grads(scale)
