@@ -10,7 +10,8 @@ the engine goes away):
     {kind}.{0,1}       every optimizer state tensor, e.g. exp_avg: leaf-shaped kinds by
                        space offset, scalar kinds (Adam's step) by leaf index
     params.{0,1}       the updated parameters in the compute dtype, by space offset
-    grad               fp32 gradient shard, written as each unit is reduced
+    grad               gradient shard in the gradient dtype, written as each unit is
+                       reduced (converted to fp32 as each tile is read for the step)
     frozen             compute-dtype shards of frozen sharded groups (offload_param nvme)
 
 A step reads tile k+1 on a reader thread while tile k is stepped and tile k-1 is written on
@@ -36,7 +37,6 @@ import torch
 from torch import nn
 
 from meshzero.zero.flat_buffer import FlatGroup, free_storage
-from meshzero.zero.offload.host import step_subset, subsets_by_group
 from meshzero.zero.offload.nvme_io import (
     CUT,
     NvmeFile,
@@ -45,6 +45,7 @@ from meshzero.zero.offload.nvme_io import (
     TileBuffers,
     TilePlanner,
 )
+from meshzero.zero.offload.stepping import step_subset, subsets_by_group
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
 
 if TYPE_CHECKING:
@@ -55,12 +56,14 @@ class NvmeStore:
     """Files, tiles and the tiled optimizer step of one rank."""
 
     def __init__(self, comm: Communicator, options: OffloadOptions,
-                 compute_dtype: torch.dtype, space_numel: int):
+                 compute_dtype: torch.dtype, space_numel: int,
+                 grad_dtype: torch.dtype = torch.float32):
         """The files; masters arrive by :meth:`write_master` while the groups are built,
         then :meth:`attach` takes the groups and the optimizer leaves."""
         self.comm = comm
         self.options = options
         self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
         self.space_numel = space_numel
         self.gen = 0
         self.stepped = False
@@ -79,12 +82,12 @@ class NvmeStore:
         self._shard_reads: dict[int, Future] = {}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self._frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
-        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
+        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), grad_dtype.itemsize)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
                                     compute_dtype.itemsize)
         for kind in ("master", "params"):
             self._create(kind, scalar=False)
-        self._preallocate(self.grad_file.path, self.space_numel * 4)
+        self._preallocate(self.grad_file.path, self.space_numel * grad_dtype.itemsize)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Each tile's leaves by param group, once (a step passes them to step_subset)."""
@@ -163,13 +166,16 @@ class NvmeStore:
 
     # -- gradients (main thread, as units are reduced) --------------------------------------
     def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        host = out.detach().to(HOST, torch.float32)
+        """Added (``accumulate``) or written to the grad file in the gradient dtype, as an
+        in-memory gradient shard would be."""
         what = f"gradient of {group.layout.slots[0].name} and its group"
         if accumulate:
             self.flush_grads()
-            prev = torch.empty_like(host)
-            self.grad_file.read(group.space_offset, prev, what)
-            host = host + prev
+            host = torch.empty(out.numel(), dtype=self.grad_dtype)
+            self.grad_file.read(group.space_offset, host, what)
+            host.add_(out.detach().to(HOST))
+        else:
+            host = out.detach().to(HOST, self.grad_dtype)
         self._grad_writes.append(self._writer.submit(self.grad_file.write, group.space_offset,
                                                      host, what))
         while len(self._grad_writes) > self.options.buffer_count:
@@ -183,7 +189,7 @@ class NvmeStore:
         """Local squared norm and count of non-finite gradient elements, read tile by tile."""
         self.flush_grads()
         sq, bad = 0.0, 0.0
-        buf = torch.empty(self.tile_numel)
+        buf = torch.empty(self.tile_numel, dtype=self.grad_dtype)
         for tile in self.tiles:
             g = buf[:tile.numel]
             self.grad_file.read(tile.start, g, tile.describe())
@@ -234,7 +240,8 @@ class NvmeStore:
             numel = max(t.numel for t in self.tiles) if self.tiles else 0
             count = min(self.options.buffer_count, max(len(self.tiles), 1))
             self._pool = [TileBuffers(numel, most, self.compute_dtype,
-                                      self.options.pin_memory) for _ in range(count)]
+                                      self.options.pin_memory, self.grad_dtype)
+                          for _ in range(count)]
         return self._pool
 
     def _step_tiles(self, optimizer: torch.optim.Optimizer, scale: float, new: int) -> None:
@@ -272,7 +279,11 @@ class NvmeStore:
     def _read_tile(self, tile: Tile, buf: TileBuffers) -> None:
         n, what = tile.numel, tile.describe()
         self.file("master", self.gen).read(tile.start, buf.master[:n], what)
-        self.grad_file.read(tile.start, buf.grad[:n], what)
+        if buf.grad_raw is None:
+            self.grad_file.read(tile.start, buf.grad[:n], what)
+        else:  # a 16-bit gradient file: read, then converted to fp32 for the step
+            self.grad_file.read(tile.start, buf.grad_raw[:n], what)
+            buf.grad[:n].copy_(buf.grad_raw[:n])
         if not self.stepped:
             return
         for kind, (dtype, scalar) in self.kinds.items():
