@@ -97,15 +97,19 @@ def test_default_is_the_compute_dtype_and_deepspeed_spellings_load():
 
 
 STEPS = 4
+CLIP = 0.05
 
 
 def _equivalence(world_size: int, tmp_path, stage: int) -> None:
     gb = 8
-    runs = [zero_config(stage, global_batch=gb, grad_accum=2, bf16=BF16, **_grads(dtype))
-            for dtype in ("bf16", "fp32")]
+    # clipping active: the norm is read from the bf16 gradients, the clip coefficient is
+    # applied as they are converted to fp32
+    runs = [zero_config(stage, global_batch=gb, grad_accum=2, bf16=BF16, gradient_clipping=CLIP,
+                        **_grads(dtype)) for dtype in ("bf16", "fp32")]
     results = run_distributed(_train_all, world_size, tmp_path, runs, STEPS)
     ref = reference_train(lambda: build_model("mlp", 0), make_batches("mlp", STEPS, gb),
-                          grad_accum=2, dtype=torch.bfloat16, eps=ADAM_EPS)
+                          grad_accum=2, clip=CLIP, dtype=torch.bfloat16, eps=ADAM_EPS)
+    assert min(ref.grad_norms) > CLIP, "the clip must be active for the test to mean anything"
     for per_rank in results:
         bf16, fp32 = per_rank
         differs = False
