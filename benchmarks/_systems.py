@@ -88,6 +88,8 @@ class Meshzero:
                                 "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
                   "bf16": {"enabled": job["bf16"]}, "steps_per_print": 10**9,
                   "zero_optimization": {"stage": job["stage"]}}
+        if job["bf16"]:  # fp32 gradients, as FSDP2's reduce_dtype and DeepSpeed's reduction
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
         if job["offload"]:
             config["zero_optimization"].update(offload_config(job["stage"]))
         self.spec = spec

@@ -2,16 +2,19 @@
 formulas, for every stage at several world sizes.
 
     python benchmarks/accounting.py --world-sizes 1 2 4 --stages 0 1 2 3 [--bf16]
+        [--grad-dtype fp32|bf16]
 
 Each (stage, world size) runs under torchrun (gloo on CPU), trains a few steps of an
 MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. Formulas
 (psi = parameters, N = ranks, AdamW, fp32 / bf16 compute with fp32 master):
 
-    model states:  stage 0: (p + m + 4 + 8) psi        stage 1: (p + 4) psi + (m + 8) psi / N
-                   stage 2: p psi + (m + 4 + 8) psi/N  stage 3: (p + m + 4 + 8) psi / N
-                   with p = 4 (fp32) or 2 (bf16) bytes, m = 0 (fp32) or 4 (bf16 master)
-    comm per step: stage 0-2: 2 psi b (N-1)/N          stage 3: 3 psi b (N-1)/N
-                   (stage 3 bf16: 2 psi * 2 gathered + psi * 4 reduced, times (N-1)/N)
+    model states:  stage 0: (p + m + g + 8) psi        stage 1: (p + g) psi + (m + 8) psi / N
+                   stage 2: p psi + (m + g + 8) psi/N  stage 3: (p + m + g + 8) psi / N
+                   with p = 4 (fp32) or 2 (bf16) bytes, m = 0 (fp32) or 4 (bf16 master),
+                   g = the gradient dtype's bytes (data_types.grad_accum_dtype; default the
+                   compute dtype): bf16 with bf16 gradients is the ZeRO paper's 16 psi
+    comm per step: stages 1-2 reduce-scatter psi g and all-gather psi p, stage 0 all-reduces
+                   2 psi g, stage 3 all-gathers 2 psi p and reduce-scatters psi g; (N-1)/N
 
 The measured numbers include padding (each unit padded to N * 4 elements) and Adam's 4-byte
 step counter per fragment, so they sit slightly above the formulas.
@@ -43,6 +46,7 @@ def worker(args: argparse.Namespace) -> None:
         "train_batch_size": 8 * int(os.environ.get("WORLD_SIZE", "1")),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "bf16": {"enabled": args.bf16},
+        **({"data_types": {"grad_accum_dtype": args.grad_dtype}} if args.grad_dtype else {}),
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0,
                               "unit_classes": ["Sequential"]},
     }
@@ -57,18 +61,20 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
-def formulas(stage: int, psi: int, n: int, bf16: bool) -> tuple[float, float]:
+def formulas(stage: int, psi: int, n: int, bf16: bool, grad_dtype: str | None
+             ) -> tuple[float, float]:
     p, m = (2, 4) if bf16 else (4, 0)
+    g = {None: p, "fp32": 4, "bf16": 2}[grad_dtype]
     states = {
-        0: (p + m + 4 + 8) * psi,
-        1: (p + 4) * psi + (m + 8) * psi / n,
-        2: p * psi + (m + 4 + 8) * psi / n,
-        3: (p + m + 4 + 8) * psi / n,
+        0: (p + m + g + 8) * psi,
+        1: (p + g) * psi + (m + 8) * psi / n,
+        2: p * psi + (m + g + 8) * psi / n,
+        3: (p + m + g + 8) * psi / n,
     }[stage]
     if stage == 3:
-        comm = (2 * psi * p + psi * 4) * (n - 1) / n
+        comm = (2 * psi * p + psi * g) * (n - 1) / n
     else:
-        comm = 2 * psi * (4 if stage == 0 else (4 + p) / 2) * (n - 1) / n
+        comm = psi * (2 * g if stage == 0 else g + p) * (n - 1) / n
     return states, comm
 
 
@@ -80,11 +86,12 @@ def run(args: argparse.Namespace) -> None:
         for n in args.world_sizes:
             res = run_ranks(__file__, n, ["--stage", str(stage), "--dim", str(args.dim),
                                           "--blocks", str(args.blocks)]
-                            + (["--bf16"] if args.bf16 else []))
+                            + (["--bf16"] if args.bf16 else [])
+                            + (["--grad-dtype", args.grad_dtype] if args.grad_dtype else []))
             mem = {k: v["device"] for k, v in res["memory"].items() if isinstance(v, dict)}
             states = sum(mem.values())
             comm = sum(v["bytes"] for v in res["comm"].values())
-            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16)
+            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16, args.grad_dtype)
             ratio = f"{comm / f_comm:.4f}" if f_comm else "-"
             rows.append(
                 f"| {stage} | {n} | {res['psi']} | {mem['params']} | {mem['master_params']} | "
@@ -100,6 +107,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default=None,
+                        help="data_types.grad_accum_dtype (default: the compute dtype)")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -45,7 +45,8 @@ def _owned(sizes: list[int], world: int, rank: int, sharded: bool) -> tuple[int,
     return elems, frags
 
 
-def expected_memory(kind: str, stage: int, world: int, rank: int, param_bytes: int) -> dict:
+def expected_memory(kind: str, stage: int, world: int, rank: int, param_bytes: int,
+                    grad_bytes: int = 4) -> dict:
     """Bytes at rest for AdamW (exp_avg, exp_avg_sq: 8 B/element; step: 4 B/fragment)."""
     out = dict.fromkeys(("params", "master_params", "grads", "optimizer_states"), 0)
     for sizes in _units(kind):
@@ -55,7 +56,7 @@ def expected_memory(kind: str, stage: int, world: int, rank: int, param_bytes: i
         owned = padded if stage == 0 else shard
         if param_bytes != 4:
             out["master_params"] += owned * 4
-        out["grads"] += (padded if stage <= 1 else shard) * 4
+        out["grads"] += (padded if stage <= 1 else shard) * grad_bytes
         elems, frags = _owned(sizes, world, rank, sharded=stage >= 1)
         out["optimizer_states"] += 8 * elems + 4 * frags
     return out
@@ -75,9 +76,11 @@ def test_memory_report_equals_formula(tmp_path, stage, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_stage3_bf16_memory_is_18_bytes_per_param_over_n(tmp_path, world_size):
-    """bf16 param shard + fp32 master + fp32 grad shard + Adam m, v: (2+4+4+8) * psi/N."""
-    cfg = zero_config(3, global_batch=8, bf16={"enabled": True})
+def test_stage3_bf16_fp32_grads_is_18_bytes_per_param_over_n(tmp_path, world_size):
+    """bf16 param shard + fp32 master + fp32 grad shard + Adam m, v: (2+4+4+8) * psi/N
+    (data_types.grad_accum_dtype fp32; bf16 gradients: tests/test_grad_dtype.py)."""
+    cfg = zero_config(3, global_batch=8, bf16={"enabled": True},
+                      data_types={"grad_accum_dtype": "fp32"})
     results = run_distributed(train, world_size, tmp_path, "mlp", cfg, STEPS)
     for rank, r in enumerate(results):
         want = expected_memory("mlp", 3, world_size, rank, param_bytes=2)
@@ -146,7 +149,8 @@ def test_comm_bf16_gathers_half_the_bytes(tmp_path):
     r = run_distributed(train, 4, tmp_path, "mlp", cfg, STEPS)[0]
     padded_elems = sum(_shard(sum(u), 4) * 4 for u in _units("mlp"))
     assert r.comm["all_gather"]["bytes"] == 2 * _ring(padded_elems * 2, 4)
-    assert r.comm["reduce_scatter"]["bytes"] == _ring(padded_elems * 4, 4)  # fp32 reduction
+    # reduced in the gradient dtype, by default the compute dtype (bf16)
+    assert r.comm["reduce_scatter"]["bytes"] == _ring(padded_elems * 2, 4)
 
 
 def test_stage3_gathered_peak_is_bounded_by_units_in_flight(tmp_path):

@@ -204,7 +204,8 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
     options = ZeroOptions(
         stage=zc.stage,
         compute_dtype=config.compute_dtype,
-        comm_dtype=config.communication_dtype or torch.float32,
+        comm_dtype=config.reduce_dtype,
+        grad_dtype=config.grad_dtype,
         unit_classes=zc.unit_classes,
         persistence_threshold=zc.stage3_param_persistence_threshold,
         reduce_bucket_numel=zc.reduce_bucket_size,

@@ -114,13 +114,17 @@ NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "zero_optimization.zeropp_loco_param": (None,),
     "scheduler.params.last_batch_iteration": (-1,),
     "tensor_parallel.autotp_size": (0, 1),
-    "data_types.grad_accum_dtype": (None,),
     "bf16.bf16_master_weights_and_grads": (False,),
 }
 # DeepSpeed's other spellings of values: dotted key -> {DeepSpeed's value: meshzero's}
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "communication_data_type": {"bfp16": "bf16", "fp16": "fp16", "bf16": "bf16",
                                 "fp32": "fp32"},
+    # DeepSpeed's DtypeEnum spellings
+    "data_types.grad_accum_dtype": {
+        "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+        "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+        "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"},
 }
 OFF_WHEN_DISABLED = (
     "amp", "torch_autocast", "hybrid_engine", "curriculum_learning", "data_efficiency",

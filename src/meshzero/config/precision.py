@@ -1,10 +1,9 @@
 """`fp16` and `bf16`: the compute dtype and fp16's loss scaling; `data_types`."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, Strict, field_validator
+from pydantic import Field
 
-from meshzero.config.errors import InvalidValue
 from meshzero.config.scalars import Bool, Int, NonNegFloat, PosFloat, PosInt, Section
 
 
@@ -28,15 +27,7 @@ class BF16Config(Section):
 
 
 class DataTypesConfig(Section):
-    """`data_types`: grad_accum_dtype fp32 is what meshzero does (fp32 gradient shards)."""
+    """`data_types`: grad_accum_dtype is the dtype gradients are held, accumulated and
+    reduced in (None: DeepSpeed's default, the compute dtype; see Config.grad_dtype)."""
 
-    grad_accum_dtype: Annotated[str, Strict()] | None = None
-
-    @field_validator("grad_accum_dtype")
-    @classmethod
-    def _fp32_only(cls, value: str | None) -> str | None:
-        if value not in (None, "fp32"):
-            raise InvalidValue("is not supported yet: meshzero accumulates gradients in fp32 "
-                               "shards (fp16/bf16 accumulation would change results); only "
-                               "'fp32' is valid")
-        return value
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None

@@ -70,6 +70,10 @@ class Config(BaseModel):
                                   self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.data_types.grad_accum_dtype == "fp16" and not self.fp16.enabled:
+            problems.append("data_types.grad_accum_dtype = 'fp16' needs fp16.enabled: without "
+                            "fp16's loss scaling and overflow check, fp16 gradients underflow "
+                            "or overflow silently; use 'bf16' or 'fp32'")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             problems.append(f"prescale_gradients is true and gradient_predivide_factor is "
                             f"{self.gradient_predivide_factor}: both say where gradients are "
@@ -120,6 +124,19 @@ class Config(BaseModel):
     def communication_dtype(self) -> torch.dtype | None:
         dtype = self.communication_data_type
         return None if dtype is None else _DTYPES[dtype]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """What gradients are held, accumulated and reduce-scattered in:
+        data_types.grad_accum_dtype, else the compute dtype at every stage (DeepSpeed's
+        ``get_data_types``: the model dtype when grad_accum_dtype is not given)."""
+        dtype = self.data_types.grad_accum_dtype
+        return self.compute_dtype if dtype is None else _DTYPES[dtype]
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """What gradients are reduced in: communication_data_type, else the gradient dtype."""
+        return self.communication_dtype or self.grad_dtype
 
 
 def _mesh_problems(config: Config) -> list[str]:

@@ -56,6 +56,11 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="compute dtype; fp32 master weights either way (default: the "
                         "config's bf16/fp16 section, else fp32)")
+    g.add_argument("--grad-dtype", choices=list(PRECISIONS), default=None,
+                   help="the dtype gradients are held, accumulated and reduced in "
+                        "(data_types.grad_accum_dtype; default: the config's, else the compute "
+                        "dtype, as DeepSpeed); fp32 accumulates more accurately over many "
+                        "micro-steps, 16 bits hold the ZeRO paper's 2 bytes per parameter")
     g.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sample (default: the model's context length)")
     g.add_argument("--tp", type=int, default=None,
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     spec, per_sample = model_of(args)
     settings = settings_from_config(
         args.config, cluster.world_size, stage=args.stage, precision=args.precision,
+        grad_dtype=args.grad_dtype,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         micro_batch=args.micro_batch, seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing, **mesh_of(args))

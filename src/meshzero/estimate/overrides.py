@@ -22,6 +22,7 @@ CONFIG_KEYS: dict[str, str] = {
     "param_buffer_count": "zero_optimization.offload_param.buffer_count",
     "sub_group_size": "zero_optimization.sub_group_size",
     "communication_dtype": "communication_data_type",
+    "grad_dtype": "data_types.grad_accum_dtype",
     "reduce_bucket_size": "zero_optimization.reduce_bucket_size",
     "allgather_bucket_size": "zero_optimization.allgather_bucket_size",
     "prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",

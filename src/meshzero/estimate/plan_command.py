@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                               pcie_bw=args.pcie_bw, nvme_bw=args.nvme_bw,
                               cpu_adam_rate=args.cpu_adam_rate)
     base = settings_from_config(args.config, cluster.world_size, precision=args.precision,
-                                seq_len=args.seq_len, **mesh_of(args))
+                                grad_dtype=args.grad_dtype, seq_len=args.seq_len,
+                                **mesh_of(args))
     global_batch = args.global_batch
     if global_batch is None and args.config is not None:
         global_batch = load_config(args.config).train_batch_size

@@ -24,6 +24,7 @@ from meshzero.estimate.overrides import (
     with_batch,
     with_keys,
 )
+from meshzero.zero.offload.stepping import chunk_numel
 
 OFFLOAD_DEVICES: tuple[str, ...] = get_args(OffloadDevice)
 TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -151,6 +152,16 @@ class Settings:
         return self.config.communication_data_type
 
     @property
+    def grad_dtype(self) -> str:
+        """The gradient dtype: data_types.grad_accum_dtype, else the compute dtype."""
+        return self.config.data_types.grad_accum_dtype or self.precision
+
+    @property
+    def reduce_dtype(self) -> str:
+        """What gradients are reduced in: communication_data_type, else the gradient dtype."""
+        return self.communication_dtype or self.grad_dtype
+
+    @property
     def reduce_bucket_size(self) -> int:
         return self.config.zero_optimization.reduce_bucket_size
 
@@ -228,8 +239,21 @@ class Settings:
 
     @property
     def comm_bytes(self) -> int:
-        """Bytes per element gradients are reduced in (fp32 unless communication_data_type)."""
-        return 4 if self.communication_dtype is None else PRECISIONS[self.communication_dtype]
+        """Bytes per element gradients are reduced in (the reduce dtype)."""
+        return PRECISIONS[self.reduce_dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the gradient buffers (the gradient dtype)."""
+        return PRECISIONS[self.grad_dtype]
+
+    @property
+    def split_numel(self) -> int | None:
+        """In-memory 16-bit gradient shards: the longest optimizer leaf (the tier's
+        ``split_numel()``); None: leaves are whole fragments."""
+        if self.grad_bytes == 4 or self.offload_optimizer == "nvme":
+            return None
+        return chunk_numel(self.sub_group_size)
 
     @property
     def state_bytes_per_element(self) -> int:
@@ -279,7 +303,8 @@ class Settings:
         mesh = self.describe_mesh()
         opt = self.optimizer + (" (assumed: the config has no optimizer block)"
                                 if self.optimizer_assumed else "")
-        return (f"ZeRO stage {self.stage}, {self.precision}, {opt}, offload optimizer "
+        grads = "" if self.grad_dtype == self.precision else f" with {self.grad_dtype} gradients"
+        return (f"ZeRO stage {self.stage}, {self.precision}{grads}, {opt}, offload optimizer "
                 f"{self.offload_optimizer} / params {self.offload_param}, micro batch "
                 f"{self.micro_batch}, grad accumulation {self.grad_accum}, seq len "
                 f"{self.seq_len if self.seq_len is not None else 'n/a'}, activation "

@@ -5,9 +5,10 @@ The engine (zero/flat_buffer.py) holds, per flat group of padded size P = N*S on
     params            S (stage 3, sharded group) or P elements, compute dtype
     master_params     the owned range (P at stage 0, S at 1-3) in fp32, when it is a copy
                       (16-bit compute, or an offloaded optimizer)
-    grads             fp32: the full P buffer at stages 0-1, the shard S at stages 2-3
+    grads             gradient dtype: the full P buffer at stages 0-1, the shard S at 2-3
     optimizer_states  per real element owned: Adam m, v (+ amsgrad's max v), SGD momentum;
-                      plus Adam's 4-byte ``step`` tensor per parameter fragment
+                      plus Adam's 4-byte ``step`` tensor per optimizer leaf (a parameter
+                      fragment, cut into pieces of split_numel with 16-bit gradients)
 
 :func:`model_state_bytes` returns what ``engine.memory_report()`` reports, to the byte, for
 every rank. The rest of this file bounds the transient buffers around them: the gathered
@@ -55,6 +56,15 @@ class _GroupIndex:
         fragments = bisect_left(self.starts, hi) - bisect_right(self.ends, lo)
         return elements, fragments
 
+    def extra_leaves(self, lo: int, hi: int, split: int | None) -> int:
+        """Leaves beyond one per fragment inside ``[lo, hi)`` when fragments longer than
+        ``split`` are cut (stepping.split_fragment)."""
+        if split is None:
+            return 0
+        i, j = bisect_right(self.ends, lo), bisect_left(self.starts, hi)
+        return sum(-(-(min(hi, e) - max(lo, a)) // split) - 1
+                   for a, e in zip(self.starts[i:j], self.ends[i:j], strict=True))
+
 
 class ModelStates:
     """Per-rank model-state bytes of one layout (one world size) under one Settings."""
@@ -88,10 +98,11 @@ class ModelStates:
             if s.compute_bytes != 4 or opt_tier != "device":
                 out["master_params"][opt_tier] += (hi - lo) * 4
             if s.stage <= 1:
-                out["grads"]["device"] += g.padded_numel * 4  # the accumulation buffer
+                out["grads"]["device"] += g.padded_numel * s.grad_bytes  # accumulation
             if s.stage >= 2 or opt_tier != "device":
-                out["grads"][opt_tier] += (hi - lo) * 4  # the fp32 gradient shard
+                out["grads"][opt_tier] += (hi - lo) * s.grad_bytes  # the gradient shard
             elements, fragments = index.owned(lo, hi)
+            fragments += index.extra_leaves(lo, hi, s.split_numel)
             out["optimizer_states"][opt_tier] += (elements * s.state_bytes_per_element
                                                   + fragments * s.state_bytes_per_fragment)
         out["offload_buffers"]["host"] = self.nvme_tile_bytes(rank)
@@ -110,6 +121,7 @@ class ModelStates:
                 continue
             if s.stage == 0:
                 elements, fragments = index.owned(0, g.padded_numel)
+                fragments += index.extra_leaves(0, g.padded_numel, s.split_numel)
                 per_rank += elements * s.state_bytes_per_element
                 per_rank += fragments * s.state_bytes_per_fragment
                 continue
@@ -123,8 +135,22 @@ class ModelStates:
             diff.index_add_(0, last + 1, -torch.ones_like(last))
             per_rank += owned * s.state_bytes_per_element
             per_rank += diff.cumsum(0)[:-1] * s.state_bytes_per_fragment
+            per_rank += self._extra_leaves(index, shard) * s.state_bytes_per_fragment
         rank = int(per_rank.argmax())
         return rank, self.report(rank)
+
+    def _extra_leaves(self, index: _GroupIndex, shard: int) -> torch.Tensor:
+        """Per rank: leaves beyond one per fragment (only parameters longer than split_numel
+        can be cut, so only those are visited, rank by rank)."""
+        split = self.settings.split_numel
+        extra = torch.zeros(self.world_size, dtype=torch.int64)
+        for a, e in zip(index.starts, index.ends, strict=True):
+            if split is None or e - a <= split:
+                continue
+            for r in range(a // shard, (e - 1) // shard + 1):
+                n = min(e, (r + 1) * shard) - max(a, r * shard)
+                extra[r] += -(-n // split) - 1
+        return extra
 
     # -- transient buffers ---------------------------------------------------------------------
     def unit_numel(self, *, sharded_only: bool, trainable_only: bool = False) -> list[int]:
@@ -197,42 +223,44 @@ class ModelStates:
 
         Simulates the engine's GradientReducer over the units in its launch order (reverse
         unit index, the root last). At stages 2-3 each unit's gradient is accumulated in a
-        transient fp32 buffer of its padded size, kept until its reduce-scatter is done; the
-        root's is taken at the start of backward (its head gets the first gradients) and
-        reduced last. Before a group is launched the oldest reductions are finished until at
-        most reduce_bucket_size elements are in flight (a larger group goes alone). A
-        communication_data_type other than fp32 adds a cast copy of each group in flight, and
-        a reduce-scatter that cannot write straight into the gradient shard (stage 1, later
-        micro-steps, another dtype or an offloaded shard) a shard-sized output. The post-step
-        all-gathers write in place into the resident buffers: no extra bytes."""
+        transient buffer of its padded size (gradient dtype), kept until its reduce-scatter is
+        done; the root's is taken at the start of backward (its head gets the first gradients)
+        and reduced last. Before a group is launched the oldest reductions are finished until
+        at most reduce_bucket_size elements are in flight (a larger group goes alone). A
+        reduce dtype other than the gradient dtype adds a cast copy of each group in flight,
+        and a reduce-scatter that cannot write straight into the gradient shard (stage 1,
+        later micro-steps, another dtype or an offloaded shard) a shard-sized output. The
+        post-step all-gathers write in place into the resident buffers: no extra bytes."""
         s = self.settings
         units = [[g.padded_numel for g in u.groups if g.requires_grad] for u in self.layout.units]
         if not any(units):
             return 0, 0
         transient = s.stage >= 2
-        indirect = s.stage == 1 or (transient and (s.grad_accum > 1 or s.comm_bytes != 4
+        cast = s.reduce_dtype != s.grad_dtype
+        indirect = s.stage == 1 or (transient and (s.grad_accum > 1 or cast
                                                    or s.offload_optimizer != "none"))
+        gb = s.grad_bytes
 
         def held(numel: int) -> int:
-            out = numel * 4 if transient else 0
-            if s.comm_bytes != 4:
+            out = numel * gb if transient else 0
+            if cast:
                 out += numel * s.comm_bytes
             if indirect:
                 out += numel // self.world_size * s.comm_bytes
             return out
 
-        root = sum(units[0]) * 4 if transient else 0  # accumulating from the start
+        root = sum(units[0]) * gb if transient else 0  # accumulating from the start
         inflight: deque[tuple[int, int]] = deque()  # (elements, bytes) per group in flight
         peak = root
         for u in [*range(len(units) - 1, 0, -1), 0]:
-            pending = sum(units[u]) * 4 if transient and u else 0
+            pending = sum(units[u]) * gb if transient and u else 0
             for numel in units[u]:
                 peak = max(peak, root + pending + sum(b for _, b in inflight))
                 while inflight and sum(n for n, _ in inflight) + numel > s.reduce_bucket_size:
                     inflight.popleft()
                 if transient:  # this group's buffer moves from accumulating to in flight
-                    pending, root = (pending - numel * 4, root) if u else (
-                        pending, root - numel * 4)
+                    pending, root = (pending - numel * gb, root) if u else (
+                        pending, root - numel * gb)
                 inflight.append((numel, held(numel)))
                 peak = max(peak, root + pending + sum(b for _, b in inflight))
         return peak, 0
@@ -240,7 +268,8 @@ class ModelStates:
     def nvme_tile_bytes(self, rank: int) -> int:
         """Host bytes of the NVMe optimizer tier's tile buffers (what memory_report() puts
         under ``offload_buffers``): min(buffer_count, tiles) buffers, each holding the largest
-        tile's master, gradient, compute params and optimizer states, plus a scalar state
+        tile's master, fp32 gradient (and the 16-bit one it is converted from), compute
+        params and optimizer states, plus a scalar state
         slot (Adam's step) per leaf in blocks of CUT. Tiles come from the engine's own
         TilePlanner over this rank's fragments."""
         s = self.settings
@@ -262,7 +291,8 @@ class ModelStates:
         numel = max(end - start for start, end in planner.bounds)
         most = -(-max(leaves.values()) // CUT) * CUT
         count = min(s.optimizer_buffer_count, len(planner.bounds))
-        per_tile = (numel * (8 + s.compute_bytes + s.state_bytes_per_element)
+        raw = 0 if s.grad_bytes == 4 else s.grad_bytes  # the 16-bit gradient read in
+        per_tile = (numel * (8 + raw + s.compute_bytes + s.state_bytes_per_element)
                     + most * s.state_bytes_per_fragment)
         return count * per_tile
 

@@ -6,9 +6,12 @@ Buffers of a group with padded size P = N*S and owned range [lo, hi):
                         (non-persistent groups) its storage is freed between uses.
     shard    (S,)       compute dtype; own storage at stage 3, else a view of full[lo:hi].
     master   (hi-lo,)   fp32 truth the optimizer steps; a view of full/shard in fp32 training.
-    grad     (hi-lo,)   fp32 gradient of the owned range (a view of grad_full at stages 0-1).
+    grad     (hi-lo,)   gradient of the owned range (a view of grad_full at stages 0-1).
     grad_full (P,)      gradient accumulation buffer; persistent at stages 0-1, transient
                         (one micro-step) at stages 2-3.
+
+Both gradient buffers are in the tier's gradient dtype (data_types.grad_accum_dtype: by
+default the compute dtype, so bf16 training holds the ZeRO paper's 2-byte gradients).
 
 Where master, grad and the stage-3 shard live is the tier's decision (zero/offload/): on the
 device, in host buffers, or in files (then master's storage is empty, grad is None and the
@@ -80,7 +83,8 @@ class FlatGroup:
         if self.trainable:
             self.master = tier.master(self, init[self.owned[0]:self.owned[1]])
             if stage <= 1:  # the accumulation buffer persists over micro-steps
-                self.grad_full = torch.zeros(layout.padded_numel, device=device)
+                self.grad_full = torch.zeros(layout.padded_numel, dtype=tier.grad_dtype,
+                                             device=device)
             self.grad = tier.grad_shard(self)
         del init
         self._bind_params()
@@ -114,7 +118,8 @@ class FlatGroup:
     def grad_target(self) -> torch.Tensor:
         """The buffer backward accumulates into (allocated zeroed on first use at stages 2-3)."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, device=self.full.device)
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.tier.grad_dtype,
+                                         device=self.full.device)
         return self.grad_full
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:

@@ -3,7 +3,10 @@ and writing the updated shards back into the compute parameters.
 
 For every fragment (the part of a parameter inside this rank's owned range) we make a leaf
 tensor that *views* the flat master, with ``.grad`` viewing the flat gradient, so any
-``torch.optim`` optimizer steps the shard in place without knowing about sharding.
+``torch.optim`` optimizer steps the shard in place without knowing about sharding. A
+16-bit gradient cannot be an fp32 leaf's ``.grad``: then fragments are cut into leaves of at
+most the tier's ``split_numel()`` and the tier steps them on converted chunks
+(zero/offload/stepping.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
 from meshzero.zero.offload import Tier
+from meshzero.zero.offload.stepping import split_fragment
 from meshzero.zero.offload.tier import placeholder
 from meshzero.zero.units import Fragment
 
@@ -38,10 +42,12 @@ class ShardedOptimizerState:
         self.fragments: dict[nn.Parameter, list[nn.Parameter]] = {}
         # every fragment leaf with where it lives: (leaf, Fragment, its FlatGroup)
         self.fragment_index: list[tuple[nn.Parameter, Fragment, FlatGroup]] = []
-        self._grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # (leaf, its gradient view) of every resident leaf, in fragment_index order
+        self.grad_views: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._view_weights: list[float] | None = None  # tp/pp norm weight of each view
         self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
         self.tiles = tier.tile_planner()
+        split = tier.split_numel()
         self.tile_of: list[int] = []  # tiled: the tile of each fragment_index entry
         for group in groups:
             if not group.trainable:
@@ -52,7 +58,8 @@ class ShardedOptimizerState:
             param_of = dict(zip(group.layout.slots, group.params, strict=True))
             for whole in group.layout.fragments(lo, hi):
                 if self.tiles is None:
-                    self._add_leaf(whole, group, param_of[whole.slot], resident=True)
+                    for frag in split_fragment(whole, split):
+                        self._add_leaf(frag, group, param_of[frag.slot], resident=True)
                     continue
                 position = group.space_offset + whole.local_offset
                 for frag, tile in self.tiles.add(whole, position):
@@ -68,8 +75,9 @@ class ShardedOptimizerState:
             assert group.master is not None and group.grad is not None  # trainable group
             leaf = nn.Parameter(group.master[a:b], requires_grad=True)
             grad_view = group.grad[a:b]
-            leaf.grad = grad_view
-            self._grad_views.append((leaf, grad_view))
+            if grad_view.dtype == leaf.dtype:  # else the step converts it (16-bit gradients)
+                leaf.grad = grad_view
+            self.grad_views.append((leaf, grad_view))
         else:
             leaf = nn.Parameter(placeholder(frag.numel, torch.float32), requires_grad=True)
         self.fragments.setdefault(param, []).append(leaf)
@@ -78,8 +86,9 @@ class ShardedOptimizerState:
     def attach_grads(self) -> None:
         """Re-point every fragment's ``.grad`` at the flat gradient (a user's zero_grad may
         have set it to None)."""
-        for leaf, view in self._grad_views:
-            leaf.grad = view
+        for leaf, view in self.grad_views:
+            if view.dtype == leaf.dtype:
+                leaf.grad = view
 
     def _trainable(self):
         return (g for g in self.groups if g.trainable)
@@ -110,8 +119,8 @@ class ShardedOptimizerState:
             if self._view_weights is None:  # the weights never change: map them once
                 weight = {id(leaf): replicated_weight.get(id(p), 1.0)
                           for p, leaves in self.fragments.items() for leaf in leaves}
-                self._view_weights = [weight[id(leaf)] for leaf, _ in self._grad_views]
-            for (_, view), w in zip(self._grad_views, self._view_weights, strict=True):
+                self._view_weights = [weight[id(leaf)] for leaf, _ in self.grad_views]
+            for (_, view), w in zip(self.grad_views, self._view_weights, strict=True):
                 if need_norm:
                     stats[0] += view.double().pow(2).sum() * w
                 if need_overflow:

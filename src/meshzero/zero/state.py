@@ -47,6 +47,9 @@ class ZeroOptions:
     # gradients are divided by this before the reduction (DeepSpeed's prescale_gradients /
     # gradient_predivide_factor); the step divides by dp_size / grad_predivide after it
     grad_predivide: float = 1.0
+    # gradients are held, accumulated and reduced in this dtype (data_types.grad_accum_dtype);
+    # the fp32 master is stepped on them converted a chunk at a time (zero/offload/stepping.py)
+    grad_dtype: torch.dtype = torch.float32
 
 
 class ZeroModelState:
@@ -69,7 +72,8 @@ class ZeroModelState:
         # where master, gradient shard and optimizer states live, and how they step: decided
         # here once, from the config (zero/offload/)
         self.tier = make_tier(options.offload, comm=comm, device=device, layout=self.layout,
-                              stage=stage, compute_dtype=options.compute_dtype)
+                              stage=stage, compute_dtype=options.compute_dtype,
+                              grad_dtype=options.grad_dtype)
         # a meta-device model is made real unit by unit, each unit's groups built as soon as
         # it is complete (zero/materialize.py); otherwise the units in order
         ready = range(len(self.layout.units)) if materialize is None else materialize(

@@ -11,37 +11,23 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
+from meshzero.zero.offload.stepping import (
+    Chunk,
+    plan_chunks,
+    step_chunks,
+    step_subset,
+    subsets_by_group,
+)
 from meshzero.zero.offload.tier import Tier, host_copy, host_zeros
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
-
-
-# -- stepping part of an optimizer --------------------------------------------------------------
-def step_subset(optimizer: torch.optim.Optimizer, subset: list[list[torch.Tensor]]) -> None:
-    """``optimizer.step()`` over ``subset[i]`` of param group i only (elementwise optimizers
-    give each tensor the same update as a step over all of them)."""
-    saved = [g["params"] for g in optimizer.param_groups]
-    try:
-        for group, params in zip(optimizer.param_groups, subset, strict=True):
-            group["params"] = params
-        optimizer.step()
-    finally:
-        for group, params in zip(optimizer.param_groups, saved, strict=True):
-            group["params"] = params
-
-
-def subsets_by_group(optimizer: torch.optim.Optimizer,
-                     leaves: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``leaves`` split by the optimizer's param groups, in each group's own order."""
-    wanted = {id(t) for t in leaves}
-    return [[p for p in g["params"] if id(p) in wanted] for g in optimizer.param_groups]
 
 
 class UnitStepper:
@@ -88,6 +74,7 @@ class HostTier(Tier):
         self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
         # units stepped / refused (inf/nan gradient: that one and all after it) in backward
         self._stepped, self._refused = 0, 0
+        self._unit_chunks: dict[int, list[Chunk]] = {}
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         return host_copy(init, self.options.pin_memory)
@@ -97,13 +84,19 @@ class HostTier(Tier):
         return host_zeros(hi - lo, self.grad_dtype, self.options.pin_memory)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Each unit's leaves by param group, once (a unit step passes them to step_subset)."""
+        """Each unit's leaves by param group, once (a unit step passes them to step_subset);
+        with 16-bit gradients, each unit's chunks (stepping.py)."""
         super().attach_optimizer(optimizer)
         unit_of = {id(g): u for u, gs in enumerate(self.units) for g in gs}
-        leaves = defaultdict(list)
-        for leaf, _, g in self.optim_state.fragment_index:
-            leaves[unit_of[id(g)]].append(leaf)
-        self._unit_subsets = {u: subsets_by_group(optimizer, ls) for u, ls in leaves.items()}
+        pairs = defaultdict(list)
+        for (leaf, _, g), (_, grad) in zip(self.optim_state.fragment_index,
+                                           self.optim_state.grad_views, strict=True):
+            pairs[unit_of[id(g)]].append((leaf, grad))
+        self._unit_subsets = {u: subsets_by_group(optimizer, [leaf for leaf, _ in ps])
+                              for u, ps in pairs.items()}
+        numel = self.split_numel()
+        if numel is not None:
+            self._unit_chunks = {u: plan_chunks(optimizer, ps, numel) for u, ps in pairs.items()}
 
     # -- units stepped during backward -----------------------------------------------------------
     def start_backward(self, boundary: bool, step_scale: float | None) -> None:
@@ -133,11 +126,13 @@ class HostTier(Tier):
                                         if g.grad is not None):
                 self._refused += 1
                 return
-            if scale != 1.0:
-                for g in groups:
+            if unit in self._unit_chunks:  # 16-bit gradients: scaled as they are converted
+                step_chunks(self.optimizer, self._unit_chunks[unit], scale)
+            else:
+                for g in groups if scale != 1.0 else ():
                     assert g.grad is not None  # a trainable group holds its gradient shard
                     g.grad.mul_(scale)
-            step_subset(self.optimizer, self._unit_subsets[unit])
+                step_subset(self.optimizer, self._unit_subsets[unit])
             for g in groups:
                 g.copy_master_to_params()
             self._stepped += 1

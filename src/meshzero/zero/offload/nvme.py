@@ -74,18 +74,18 @@ class NvmeTier(Tier):
                     self.space_numel += g.shard_numel
         self._check_space()
         self.store = NvmeStore(self.comm, self.options, self.compute_dtype, self.space_numel,
-                               device=self.device)
+                               device=self.device, grad_dtype=self.grad_dtype)
 
     def _check_space(self) -> None:
         """The paths have room for this node's ranks (upper bound: two generations of master,
-        Adam's two states and the params, one gradient shard)."""
+        Adam's two states and the params, one gradient shard in the gradient dtype)."""
         opts, space = self.options, self.space_numel
         itemsize = self.compute_dtype.itemsize
         frozen = sum(g.shard_numel for unit in self.layout.units for g in unit.groups
                      if not g.requires_grad and self.stage == 3 and not g.persistent)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         param_bytes = 2 * space * itemsize + (frozen * itemsize if opts.param == "nvme" else 0)
-        optim_bytes = space * (2 * 4 + 4 + 2 * 8)
+        optim_bytes = space * (2 * 4 + self.grad_dtype.itemsize + 2 * 8)
         paths = {opts.optimizer_nvme_path: ("offload_optimizer", optim_bytes)}
         if opts.param == "nvme" and opts.param_nvme_path != opts.optimizer_nvme_path:
             paths[opts.param_nvme_path] = ("offload_param", param_bytes)
@@ -105,6 +105,9 @@ class NvmeTier(Tier):
 
     def tile_planner(self) -> TilePlanner | None:
         return TilePlanner(self.options.sub_group_size)
+
+    def split_numel(self) -> int | None:
+        return None  # the tiles convert 16-bit gradients as they are read
 
     def shard_source(self):
         return self.store if self.options.param == "nvme" else None

@@ -95,12 +95,16 @@ class Tile:
 
 
 class TileBuffers:
-    """Host buffers for one tile: master, grad, compute-dtype params and state kinds."""
+    """Host buffers for one tile: master, fp32 grad (and the 16-bit gradient it is converted
+    from, with a 16-bit gradient dtype), compute-dtype params and state kinds."""
 
-    def __init__(self, numel: int, leaves: int, compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, numel: int, leaves: int, compute_dtype: torch.dtype, pin: bool,
+                 grad_dtype: torch.dtype = torch.float32):
         self.numel, self.leaves, self.pin = numel, leaves, pin
         self.master = torch.empty(numel, pin_memory=pin)
         self.grad = torch.empty(numel, pin_memory=pin)
+        self.grad_raw = (None if grad_dtype == torch.float32
+                         else torch.empty(numel, dtype=grad_dtype, pin_memory=pin))
         self.params = torch.empty(numel, dtype=compute_dtype, pin_memory=pin)
         self.kinds: dict[str, torch.Tensor] = {}
 
@@ -112,8 +116,9 @@ class TileBuffers:
 
     @property
     def nbytes(self) -> int:
+        raw = () if self.grad_raw is None else (self.grad_raw,)
         return sum(t.numel() * t.element_size()
-                   for t in (self.master, self.grad, self.params, *self.kinds.values()))
+                   for t in (self.master, self.grad, *raw, self.params, *self.kinds.values()))
 
 
 CUT = 64  # fragments are cut at multiples of this from their start (see TilePlanner)

@@ -10,7 +10,8 @@ the engine goes away):
     {kind}.{0,1}       every optimizer state tensor, e.g. exp_avg: leaf-shaped kinds by
                        space offset, scalar kinds (Adam's step) by leaf index
     params.{0,1}       the updated parameters in the compute dtype, by space offset
-    grad               fp32 gradient shard, written as each unit is reduced
+    grad               gradient shard in the gradient dtype, written as each unit is
+                       reduced (converted to fp32 as each tile is read for the step)
     frozen             compute-dtype shards of frozen sharded groups (offload_param nvme)
 
 A step reads tile k+1 on a reader thread while tile k is stepped and tile k-1 is written on
@@ -36,7 +37,6 @@ import torch
 from torch import nn
 
 from meshzero.zero.flat_buffer import FlatGroup, free_storage
-from meshzero.zero.offload.host import step_subset, subsets_by_group
 from meshzero.zero.offload.nvme_guard import IOFaults, raise_agreed, world_communicator
 from meshzero.zero.offload.nvme_io import (
     CUT,
@@ -47,6 +47,7 @@ from meshzero.zero.offload.nvme_io import (
     TilePlanner,
 )
 from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
+from meshzero.zero.offload.stepping import step_subset, subsets_by_group
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class NvmeStore:
 
     def __init__(self, comm: Communicator, options: OffloadOptions,
                  compute_dtype: torch.dtype, space_numel: int,
-                 device: torch.device = HOST):
+                 device: torch.device = HOST, grad_dtype: torch.dtype = torch.float32):
         """The files; masters arrive by :meth:`write_master` while the groups are built,
         then :meth:`attach` takes the groups and the optimizer leaves. ``device``: where
         the agreement collectives' flags live (the process group's device)."""
@@ -68,6 +69,7 @@ class NvmeStore:
         self.faults = IOFaults()
         self.options = options
         self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
         self.space_numel = space_numel
         self.gen = 0
         self.stepped = False
@@ -86,12 +88,12 @@ class NvmeStore:
         self._shard_reads: dict[int, Future] = {}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self._frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
-        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), 4)
+        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), grad_dtype.itemsize)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
                                     compute_dtype.itemsize)
         for kind in ("master", "params"):
             self._create(kind, scalar=False)
-        self._preallocate(self.grad_file.path, self.space_numel * 4)
+        self._preallocate(self.grad_file.path, self.space_numel * grad_dtype.itemsize)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Each tile's leaves by param group, once (a step passes them to step_subset)."""
@@ -170,9 +172,10 @@ class NvmeStore:
 
     # -- gradients (main thread, as units are reduced) --------------------------------------
     def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) a reduced gradient; an I/O error is recorded as lost data (the
-        step refuses on every rank), never raised here on one rank."""
-        host = out.detach().to(HOST, torch.float32)
+        """Added (``accumulate``) or written to the grad file in the gradient dtype, as an
+        in-memory gradient shard would be; an I/O error is recorded as lost data (the step
+        refuses on every rank), never raised here on one rank."""
+        host = out.detach().to(HOST, self.grad_dtype)
         what = f"gradient of {group.layout.slots[0].name} and its group"
         if not accumulate:
             self.faults.new_backward()  # a pipeline's held gradients never start_backward
@@ -194,7 +197,7 @@ class NvmeStore:
         """Local squared norm and count of non-finite gradient elements, read tile by tile."""
         self.flush_grads()
         sq, bad = 0.0, 0.0
-        buf = torch.empty(self.tile_numel)
+        buf = torch.empty(self.tile_numel, dtype=self.grad_dtype)
         for tile in self.tiles:
             g = buf[:tile.numel]
             if not self.faults.run(self.grad_file.read, tile.start, g, tile.describe()):
@@ -249,7 +252,8 @@ class NvmeStore:
             numel = max(t.numel for t in self.tiles) if self.tiles else 0
             count = min(self.options.buffer_count, max(len(self.tiles), 1))
             self._pool = [TileBuffers(numel, most, self.compute_dtype,
-                                      self.options.pin_memory) for _ in range(count)]
+                                      self.options.pin_memory, self.grad_dtype)
+                          for _ in range(count)]
         return self._pool
 
     def _step_tiles(self, optimizer: torch.optim.Optimizer, scale: float, new: int) -> None:
@@ -287,7 +291,11 @@ class NvmeStore:
     def _read_tile(self, tile: Tile, buf: TileBuffers) -> None:
         n, what = tile.numel, tile.describe()
         self.file("master", self.gen).read(tile.start, buf.master[:n], what)
-        self.grad_file.read(tile.start, buf.grad[:n], what)
+        if buf.grad_raw is None:
+            self.grad_file.read(tile.start, buf.grad[:n], what)
+        else:  # a 16-bit gradient file: read, then converted to fp32 for the step
+            self.grad_file.read(tile.start, buf.grad_raw[:n], what)
+            buf.grad[:n].copy_(buf.grad_raw[:n])
         if not self.stepped:
             return
         for kind, (dtype, scalar) in self.kinds.items():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from meshzero.log import warn_once
+from meshzero.zero.offload.stepping import Chunk, chunk_numel, plan_chunks, step_chunks
 
 if TYPE_CHECKING:
     from meshzero.comm import Communicator
@@ -125,6 +126,7 @@ class Tier(ABC):
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         self.units: list[list[FlatGroup]] = []
+        self.chunks: list[Chunk] | None = None  # 16-bit gradients: stepped chunk by chunk
 
     # -- where things live (each tier says) ----------------------------------------------------
     @property
@@ -162,6 +164,14 @@ class Tier(ABC):
         are cut where tiles begin and their leaves hold no memory between steps)."""
         return None
 
+    def split_numel(self) -> int | None:
+        """With 16-bit gradient shards in memory: the most elements of one optimizer leaf
+        (longer fragments are cut), so the step converts at most that much gradient to
+        fp32 at once (stepping.py). None: fp32 gradients, leaves are whole fragments."""
+        if self.grad_dtype == torch.float32:
+            return None
+        return chunk_numel(self.options.sub_group_size)
+
     def shard_source(self):
         """An object that reads stage-3 shards kept out of memory (ParameterSharder)."""
         return None
@@ -174,6 +184,9 @@ class Tier(ABC):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        numel = self.split_numel()
+        if numel is not None:
+            self.chunks = plan_chunks(optimizer, self.optim_state.grad_views, numel)
 
     # -- gradients and the step ----------------------------------------------------------------
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
@@ -228,6 +241,9 @@ class Tier(ABC):
 
     def step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
+        if self.chunks is not None:  # 16-bit gradients, converted chunk by chunk
+            step_chunks(self.optimizer, self.chunks, scale)
+            return
         self.optim_state.scale_grads(scale)
         self.optim_state.attach_grads()
         self.optimizer.step()
