@@ -1,28 +1,38 @@
 """Materialise a meta-device model unit by unit, drawing the values eager construction would.
 
 ``ZeroModelState`` iterates ``materializer(layout)`` and builds a unit's flat groups as soon
-as its index is yielded; at stage 3 only this rank's shard of them stays, and the module's
-CPU tensors are freed when its parameters are re-pointed at the flat buffer. Peak memory is
-about the root unit's modules plus one unit plus the shards.
+as ``(unit, flat buffers)`` is yielded; at stage 3 only this rank's shard of them stays and
+the flat buffers are freed. Peak memory is the shards plus about one unit: the unit being
+built (and the root's parameters, if its modules come both before and after the blocks).
 
 Modules are visited in construction order (see construction.py), and for each one that
 directly holds meta tensors:
 
-    allocate    its own parameters and buffers on the CPU (recurse=False); a tied tensor
-                that another module created gets a scratch tensor here, as in eager
-                construction, where this module initialised a tensor of its own that the
-                tie then discarded (the random numbers are still drawn)
+    allocate    its own parameters and buffers on the CPU (recurse=False). An fp32
+                parameter is a view of its unit's flat fp32 buffer at its slot, so the
+                values are written once, where the flat group keeps them (a unit is never
+                held twice). A tied tensor that another module created gets a scratch
+                tensor here, as in eager construction, where this module initialised a
+                tensor of its own that the tie then discarded (the random numbers are still
+                drawn)
     initialise  ``init_fn(module)`` or ``module.reset_parameters()``, with the CPU generator
                 in the state recorded at construction (rank 0's, broadcast), so the values
                 equal eager construction's on every rank and no broadcast of them is needed
     check       every floating tensor it created was written (they start as NaN)
-    yield       every unit whose modules and parameters are now all real
+    yield       every unit whose modules and parameters are now all real, with its flat
+                buffers; once the caller has built the unit, glibc's free heap memory is
+                returned to the system (malloc_trim): freed units lie between the
+                long-lived shards, and glibc would otherwise keep them resident, growing
+                the process by about a unit each time
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
-from collections.abc import Iterable, Iterator
+import platform
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +47,9 @@ from meshzero.zero.construction import (
     has_meta_tensors,
     is_model_factory,
 )
-from meshzero.zero.units import Layout
+from meshzero.zero.units import Layout, ParamSlot
 
 _KINDS = ("_parameters", "_buffers")
-_ARENA_ALIGN = 64  # bytes: every parameter carved from a unit's arena starts aligned
 
 
 @dataclass
@@ -79,16 +88,24 @@ def _owning_unit(unit_index: dict[str, int], path: str) -> int:
     return unit_index[path]
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None (musl, macOS, Windows: nothing to trim that way)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+        return trim
+    except (OSError, AttributeError):
+        return None
 
 
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage span ``t`` covers with its strides (numel bytes if contiguous)."""
-    if t.numel() == 0:
-        return 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
+def trim_heap() -> None:
+    """Give the free memory of glibc's heaps back to the system (pages inside the heap too,
+    not only its top): the freed values of a built unit would otherwise stay resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _has_nan(t: torch.Tensor) -> bool:
@@ -98,7 +115,8 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 
 class Materializer:
-    """Iterate ``materializer(layout)``: unit indices in the order they become real."""
+    """Iterate ``materializer(layout)``: ``(unit index, {group index: flat fp32 buffer})``
+    in the order units become real (groups without a buffer copy their parameters)."""
 
     def __init__(self, model: nn.Module, record: ConstructionRecord | None, *,
                  comm: Communicator, device: torch.device, src: int, restore_rng: bool):
@@ -144,15 +162,14 @@ class Materializer:
         for w in works:
             pending[w.unit] += 1
         self.param_unit: dict[int, int] = {}
-        self.arena_bytes = [0] * len(layout.units)
-        self.arenas: dict[int, list] = {}  # unit -> [uint8 buffer, bytes used]
-        self.spare: list[torch.Tensor] = []  # arenas of built units, to be reused
+        self.slot_of: dict[int, ParamSlot] = {}  # id(meta parameter) -> its flat slot
+        self.flats: dict[tuple[int, int], torch.Tensor] = {}  # (unit, group): fp32 (padded,)
+        self.layout = layout
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if p.is_meta and id(p) not in self.param_unit:
-                unit = layout.slots[name].unit
-                self.param_unit[id(p)] = unit
-                self.arena_bytes[unit] += _aligned(_span_bytes(p))
-                pending[unit] += 1
+                self.slot_of[id(p)] = layout.slots[name]
+                self.param_unit[id(p)] = layout.slots[name].unit
+                pending[layout.slots[name].unit] += 1
         return works, creator, pending
 
     # -- one module -------------------------------------------------------------------------
@@ -195,23 +212,20 @@ class Materializer:
         return [meta for _, _, meta, _ in created]
 
     def _take(self, meta: torch.Tensor) -> torch.Tensor:
-        """CPU memory for a parameter, carved from its unit's arena. An arena is reused by
-        a later unit once its unit's flat groups hold the values: transient tensors that are
-        allocated and freed unit after unit would leave holes in the heap between the
-        long-lived shards, and the process would grow by about a unit each time."""
-        unit = self.param_unit[id(meta)]
-        if unit not in self.arenas:
-            size = self.arena_bytes[unit]
-            fits = [a for a in self.spare if a.numel() >= size]
-            arena = min(fits, key=torch.Tensor.numel) if fits else torch.empty(
-                size, dtype=torch.uint8)
-            self.spare = [a for a in self.spare if a is not arena]
-            self.arenas[unit] = [arena, 0]
-        arena, offset = self.arenas[unit]
-        nbytes = _span_bytes(meta)
-        self.arenas[unit][1] = offset + _aligned(nbytes)
-        flat = arena[offset:offset + nbytes].view(meta.dtype)
-        return flat.as_strided(meta.shape, meta.stride())
+        """CPU memory for a parameter: its slot of the unit's flat fp32 buffer, which the
+        flat group then keeps as it is (no copy), or, for another dtype, a non-contiguous
+        parameter or a group on an accelerator, a tensor of its own that the group copies."""
+        slot = self.slot_of[id(meta)]
+        if (meta.dtype != torch.float32 or not meta.is_contiguous()
+                or self.device.type != "cpu"):
+            return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
+        key = (slot.unit, slot.group)
+        if key not in self.flats:
+            group = self.layout.units[slot.unit].groups[slot.group]
+            flat = torch.empty(group.padded_numel, dtype=torch.float32)
+            flat[group.numel:].zero_()  # the padding; every slot is written by its init
+            self.flats[key] = flat
+        return self.flats[key][slot.offset:slot.offset + slot.numel].view(meta.shape)
 
     def _run_init(self, work: _Work, has_own: bool) -> None:
         reset = getattr(work.module, "reset_parameters", None)
@@ -241,12 +255,12 @@ class Materializer:
         self.comm.broadcast(buf, self.src).wait()
         return buf.cpu()
 
-    def __call__(self, layout: Layout) -> Iterator[int]:
+    def __call__(self, layout: Layout) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
         works, creator, pending = self._plan(layout)
         saved = torch.get_rng_state()
         torch.set_rng_state(self._shared_rng_state())
         try:
-            yield from (u for u, n in enumerate(pending) if n == 0)
+            yield from ((u, {}) for u, n in enumerate(pending) if n == 0)
             for work in works:
                 touched = [work.unit]
                 for meta in self._materialize(work, creator):
@@ -258,28 +272,22 @@ class Materializer:
                     if pending[u] == 0:
                         ready.add(u)
                 for u in sorted(ready):
-                    yield u  # the caller copies the unit into its flat groups
-                    self._recycle(layout, u)
+                    yield u, self._take_flats(u)  # the caller builds the unit's flat groups
+                    trim_heap()
         finally:
             if self.restore_rng:
                 torch.set_rng_state(saved)
         self._finish(pending)
 
-    def _recycle(self, layout: Layout, unit: int) -> None:
-        """Keep ``unit``'s arena for a later unit if no parameter uses it any more."""
-        if unit not in self.arenas:
-            return
-        arena = self.arenas.pop(unit)[0]
-        ptr = arena.untyped_storage().data_ptr()
-        names = [s.name for g in layout.units[unit].groups for s in g.slots]
-        if all(self.model.get_parameter(n).untyped_storage().data_ptr() != ptr for n in names):
-            self.spare.append(arena)
+    def _take_flats(self, unit: int) -> dict[int, torch.Tensor]:
+        """The flat buffers of ``unit`` by group index; the materializer lets go of them."""
+        groups = range(len(self.layout.units[unit].groups))
+        return {g: self.flats.pop((unit, g)) for g in groups if (unit, g) in self.flats}
 
     def _finish(self, pending: list[int]) -> None:
         left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
                 if t.is_meta]
         assert not left and not any(pending), f"still on the meta device: {left}, {pending}"
-        self.spare.clear()
         for module in self.model.modules():  # buffers that were real from the start
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != self.device:

@@ -52,7 +52,8 @@ class ZeroOptions:
 class ZeroModelState:
     def __init__(self, model: nn.Module, comm: Communicator, device: torch.device,
                  options: ZeroOptions,
-                 materialize: Callable[[Layout], Iterable[int]] | None = None,
+                 materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
+                 | None = None,
                  secondary_comm: Communicator | None = None,
                  replica_comm: Communicator | None = None):
         self.model = model
@@ -71,17 +72,19 @@ class ZeroModelState:
         self.tier = make_tier(options.offload, comm=comm, device=device, layout=self.layout,
                               stage=stage, compute_dtype=options.compute_dtype)
         # a meta-device model is made real unit by unit, each unit's groups built as soon as
-        # it is complete (zero/materialize.py); otherwise the units in order
-        ready = range(len(self.layout.units)) if materialize is None else materialize(
-            self.layout)
+        # it is complete, its fp32 values already in flat buffers (zero/materialize.py);
+        # otherwise the units in order
+        ready = ((u, {}) for u in range(len(self.layout.units))) if materialize is None \
+            else materialize(self.layout)
         built: dict[int, list[FlatGroup]] = {}
-        for u in ready:
+        for u, flats in ready:
             built[u] = [
                 FlatGroup(g, [model.get_parameter(s.name) for s in g.slots], stage=stage,
                           rank=comm.rank, compute_dtype=options.compute_dtype, device=device,
-                          tier=self.tier)
+                          tier=self.tier, init=flats.pop(g.index, None))
                 for g in self.layout.units[u].groups
             ]
+            del flats  # at stage 3 the full values go with the group's full buffer
         self.units: list[list[FlatGroup]] = [built[u] for u in range(len(self.layout.units))]
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
