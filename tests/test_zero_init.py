@@ -167,7 +167,7 @@ def _stream(model: nn.Module, **layout_kwargs) -> tuple[Materializer, list[int]]
     layout = build_layout(model, num_shards=1, **layout_kwargs)
     comm = SimpleNamespace(size=1, group=None)
     mat = Materializer(model, find_record(model), comm=comm, device=torch.device("cpu"),
-                       src=0, restore_rng=False)
+                       src=0, )
     return mat, layout
 
 

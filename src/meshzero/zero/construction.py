@@ -2,20 +2,23 @@
 how it was built.
 
     with meshzero.zero_init(config):       # or initialize(model=factory, ...)
-        model = Net()                      # meta parameters: no memory, no random numbers drawn
+        model = Net()                      # meta parameters: no memory held
+    engine, *_ = meshzero.initialize(model=model, config=config)
 
 Each parameter goes to the meta device as it is registered (``self.w = nn.Parameter(...)``),
 before ``reset_parameters()`` runs on it; buffers stay real, so a value a constructor
 computes for one (a rotary embedding's ``inv_freq``, a constant scale) is kept as it is. A
 buffer computed from a meta parameter is meta too, and is initialised with its module.
-    engine, *_ = meshzero.initialize(model=model, config=config)
 
 The engine then materialises the model unit by unit (zero/materialize.py). To give the
-same values as eager construction it needs three facts that a finished meta model no longer
+same values as eager construction it needs four facts that a finished meta model no longer
 shows, so they are recorded here while the model is being built:
 
-    rng_state   the CPU generator when construction started (after the config's seed);
-                eager construction would have drawn every initial value from it
+    rng_state   the CPU generator when construction started (after the config's seed)
+    draws       the generator state before every random op on a meta parameter: the
+                ops also run on CPU scratch tensors, so the generator moves as in eager
+                construction and each parameter's last initialisation can be replayed
+                from its own state, in any order (zero/draws.py)
     completed   the order in which modules finished their ``__init__`` (a module is attached
                 to its parent right after its constructor returns): the order in which
                 eager construction ran their ``reset_parameters``
@@ -23,16 +26,16 @@ shows, so they are recorded here while the model is being built:
                 tied weights (``head.weight = embed.weight``) the value eager construction
                 keeps is the one its creator's init wrote
 
-They come from torch's global module registration hooks, installed only for the duration
-of the ``with`` block (an extension point; nothing in torch is patched); the parameter hook
-is also the one that returns the meta copy of each parameter.
+They come from torch's global module registration hooks and a ``TorchDispatchMode``,
+installed only for the duration of the ``with`` block (extension points; nothing in torch
+is patched); the parameter hook is also the one that returns the meta copy of each
+parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-logger = logging.getLogger(__name__)
+from meshzero.zero.draws import DrawLog, RecordDraws
 
 InitFn = Callable[[nn.Module], None]
 
@@ -53,6 +56,7 @@ class ConstructionRecord:
 
     rng_state: torch.Tensor
     init_fn: InitFn | None
+    draws: DrawLog = field(default_factory=DrawLog)
     completed: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     creator: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
 
@@ -150,15 +154,11 @@ def zero_init(
             functools.partial(_on_buffer, record)),
     ]
     try:
-        yield record
+        with RecordDraws(record.draws):
+            yield record
     finally:
         for handle in handles:
             handle.remove()
-    if not torch.equal(torch.get_rng_state(), record.rng_state):
-        logger.warning(
-            "zero_init: the model's constructors drew random numbers on the CPU (a buffer or "
-            "tensor made with torch.rand*/randn in __init__); the parameters will not have "
-            "the values of eager construction. Initialise in reset_parameters() or init_fn")
 
 
 def _to_meta(param: torch.Tensor) -> torch.Tensor:

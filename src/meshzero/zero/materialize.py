@@ -47,6 +47,7 @@ from meshzero.zero.construction import (
     has_meta_tensors,
     is_model_factory,
 )
+from meshzero.zero.draws import ReplayDraws
 from meshzero.zero.units import Layout, ParamSlot
 
 _KINDS = ("_parameters", "_buffers")
@@ -119,14 +120,17 @@ class Materializer:
     in the order units become real (groups without a buffer copy their parameters)."""
 
     def __init__(self, model: nn.Module, record: ConstructionRecord | None, *,
-                 comm: Communicator, device: torch.device, src: int, restore_rng: bool):
+                 comm: Communicator, device: torch.device, src: int,
+                 restore_state: torch.Tensor | None = None):
+        """``restore_state``: the generator state to leave behind (the config's seed);
+        None: as it was before (a zero_init record) or where the replay ends (no record)."""
         self.model = model
         self.record = record
         self.init_fn = record.init_fn if record is not None else None
         self.comm = comm
         self.device = device
         self.src = src
-        self.restore_rng = restore_rng
+        self.restore_state = restore_state
         self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta): (meta, real)
 
     # -- planning -------------------------------------------------------------------------
@@ -191,7 +195,10 @@ class Materializer:
                 if real.is_floating_point():
                     real.detach().fill_(math.nan)
             getattr(module, kind)[name] = real  # scratch unless created here
-        with torch.no_grad():
+        draws = self.record.draws if self.record is not None else None
+        targets = [(real, draws.last_init(meta)) for _, _, meta, real in created
+                   if draws is not None]
+        with torch.no_grad(), ReplayDraws(targets):
             self._run_init(work, bool(created))
         unset = [name for _, name, _, real in created if real.is_floating_point()
                  and _has_nan(real)]
@@ -247,17 +254,25 @@ class Materializer:
 
     # -- the unit stream ----------------------------------------------------------------------
     def _shared_rng_state(self) -> torch.Tensor:
-        """The generator state construction started from, rank ``src``'s on every rank."""
+        """The generator state construction started from, rank ``src``'s on every rank, as
+        are the recorded states of its draws (the same count on every rank: one model)."""
         state = (self.record.rng_state if self.record is not None else torch.get_rng_state())
+        draws = self.record.draws if self.record is not None else None
+        states = [state, *(draws.states() if draws is not None else [])]
         if self.comm.size == 1:
             return state.clone()
-        buf = state.to(self.device)
+        buf = torch.stack(states).to(self.device)
         self.comm.broadcast(buf, self.src).wait()
-        return buf.cpu()
+        shared = [row.clone() for row in buf.cpu()]  # set_rng_state needs its own storage
+        if draws is not None:
+            draws.set_states(shared[1:])
+        return shared[0]
 
     def __call__(self, layout: Layout) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
         works, creator, pending = self._plan(layout)
-        saved = torch.get_rng_state()
+        end = self.restore_state
+        if end is None and self.record is not None:  # construction already drew: keep it
+            end = torch.get_rng_state()
         torch.set_rng_state(self._shared_rng_state())
         try:
             yield from ((u, {}) for u, n in enumerate(pending) if n == 0)
@@ -275,8 +290,8 @@ class Materializer:
                     yield u, self._take_flats(u)  # the caller builds the unit's flat groups
                     trim_heap()
         finally:
-            if self.restore_rng:
-                torch.set_rng_state(saved)
+            if end is not None:
+                torch.set_rng_state(end)
         self._finish(pending)
 
     def _take_flats(self, unit: int) -> dict[int, torch.Tensor]:
@@ -311,6 +326,8 @@ def prepare_model(model: Any, config: Any, *, comm: Communicator, device: torch.
                   src: int) -> tuple[nn.Module, Materializer | None]:
     """The engine's module and, for a model on the meta device (built by a factory under
     ``zero_init`` here, or by the user), the materializer ZeroModelState drives."""
+    # with a seed, the generator is left as the seed set it (eager: seeded after building)
+    seeded = torch.get_rng_state() if config.seed is not None else None
     if is_model_factory(model):
         model = build_from_factory(model, config)
     if not isinstance(model, nn.Module):
@@ -319,4 +336,4 @@ def prepare_model(model: Any, config: Any, *, comm: Communicator, device: torch.
     if not has_meta_tensors(model):
         return model, None
     return model, Materializer(model, find_record(model), comm=comm, device=device, src=src,
-                               restore_rng=config.seed is not None)
+                               restore_state=seeded)

@@ -1,0 +1,145 @@
+"""The random draws of construction: taken on the meta device as eager code would, replayed
+per parameter when it is made real.
+
+Eager construction draws every initial value from one CPU generator, in the order the
+constructors run. Some models initialise a parameter twice: a Hugging Face model's layers
+run torch's default ``reset_parameters()`` in their constructors, then ``post_init()`` draws
+every weight again with the model's own scheme, so a weight's final values come from a
+generator state that depends on everything drawn before it. To reproduce that unit by unit:
+
+    record (zero_init)   a random op on a meta tensor (``uniform_``, ``normal_``, ...) is also
+                         run on a CPU scratch tensor of the same shape, so the generator moves
+                         exactly as in eager construction, and the generator state before it
+                         is kept for the parameter the op writes (by storage: views count)
+    replay (materialise) a random op on a parameter being made real starts from the state
+                         recorded for the same op of its last initialisation (the one that
+                         began with a draw over the whole tensor), so its values are eager
+                         construction's whatever order the units are built in
+
+Draws the replay cannot place (a temporary inside an init function, a tensor that is not a
+parameter of the module) continue from the generator as it is. Both sides are
+``TorchDispatchMode``s: nothing in torch is patched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+
+def _is_random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _writes_first_arg(func: Any) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.numel() * t.element_size() == (
+        t.untyped_storage().nbytes())
+
+
+@dataclass
+class Draw:
+    """One random op on (a view of) a tensor: its name, whether it covered the whole
+    tensor, and the generator state before it."""
+
+    op: str
+    whole: bool
+    state: torch.Tensor
+
+
+@dataclass
+class DrawLog:
+    """The draws of one construction, by the storage of the meta tensor they wrote."""
+
+    draws: dict[int, list[Draw]] = field(default_factory=dict)
+    # the meta storages themselves (no memory): held so that an id is never reused
+    storages: dict[int, Any] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor, op: str, state: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        self.storages.setdefault(key, storage)
+        self.draws.setdefault(key, []).append(Draw(op, _covers_storage(t), state))
+
+    def last_init(self, meta: torch.Tensor) -> list[Draw]:
+        """The draws of ``meta``'s last initialisation: from its last draw over the whole
+        tensor on (all of them if none covered it)."""
+        draws = self.draws.get(meta.untyped_storage()._cdata, [])
+        starts = [i for i, d in enumerate(draws) if d.whole]
+        return draws[starts[-1]:] if starts else draws
+
+    def states(self) -> list[torch.Tensor]:
+        return [d.state for ds in self.draws.values() for d in ds]
+
+    def set_states(self, states: list[torch.Tensor]) -> None:
+        """Replace the states, in :meth:`states` order (rank 0's, broadcast)."""
+        it = iter(states)
+        for ds in self.draws.values():
+            for d in ds:
+                d.state = next(it)
+
+
+def _scratch(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.is_meta:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    if isinstance(t, torch.device) and t.type == "meta":
+        return torch.device("cpu")
+    return t
+
+
+class RecordDraws(TorchDispatchMode):
+    """Active during a ``zero_init`` block: random ops on meta tensors move the CPU
+    generator as they would on real ones, and are logged."""
+
+    def __init__(self, log: DrawLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        metas = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                 and a.is_meta] or [v for v in kwargs.values()
+                                    if isinstance(v, torch.device) and v.type == "meta"]
+        if _is_random(func) and metas:
+            if (_writes_first_arg(func) and isinstance(args[0], torch.Tensor)
+                    and kwargs.get("generator") is None):
+                self.log.add(args[0], str(func), torch.get_rng_state())
+            func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))  # the draw itself
+        return func(*args, **kwargs)
+
+
+class ReplayDraws(TorchDispatchMode):
+    """Active while one module's init runs on its real tensors: a random op on one of
+    ``targets`` ((real tensor, its recorded draws)) starts from the recorded state."""
+
+    def __init__(self, targets: list[tuple[torch.Tensor, list[Draw]]]) -> None:
+        super().__init__()
+        self.spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), draws)
+                      for t, draws in targets if draws and t.numel() > 0]
+        self.taken = [0] * len(self.spans)
+
+    def _draws_of(self, t: torch.Tensor) -> int | None:
+        ptr = t.data_ptr()
+        for i, (lo, hi, _) in enumerate(self.spans):
+            if lo <= ptr < hi:
+                return i
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (_is_random(func) and _writes_first_arg(func) and args
+                and isinstance(args[0], torch.Tensor) and not args[0].is_meta
+                and kwargs.get("generator") is None):
+            i = self._draws_of(args[0])
+            if i is not None and self.taken[i] < len(self.spans[i][2]):
+                torch.set_rng_state(self.spans[i][2][self.taken[i]].state)
+                self.taken[i] += 1
+        return func(*args, **kwargs)
