@@ -12,9 +12,9 @@ generator state that depends on everything drawn before it. To reproduce that un
                          exactly as in eager construction, and the generator state before it
                          is kept for the parameter the op writes (by storage: views count)
     replay (materialise) a random op on a parameter being made real starts from the state
-                         recorded for the same op of its last initialisation (the one that
-                         began with a draw over the whole tensor), so its values are eager
-                         construction's whatever order the units are built in
+                         recorded for the same op (for a draw over the whole tensor: the
+                         last such draw of that op), so its values are eager construction's
+                         whatever order the units are built in
 
 Draws the replay cannot place (a temporary inside an init function, a tensor that is not a
 parameter of the module) continue from the generator as it is. Both sides are
@@ -69,12 +69,9 @@ class DrawLog:
         self.storages.setdefault(key, storage)
         self.draws.setdefault(key, []).append(Draw(op, _covers_storage(t), state))
 
-    def last_init(self, meta: torch.Tensor) -> list[Draw]:
-        """The draws of ``meta``'s last initialisation: from its last draw over the whole
-        tensor on (all of them if none covered it)."""
-        draws = self.draws.get(meta.untyped_storage()._cdata, [])
-        starts = [i for i, d in enumerate(draws) if d.whole]
-        return draws[starts[-1]:] if starts else draws
+    def of(self, meta: torch.Tensor) -> list[Draw]:
+        """Every recorded draw on ``meta`` (or a view of it), in order."""
+        return self.draws.get(meta.untyped_storage()._cdata, [])
 
     def states(self) -> list[torch.Tensor]:
         return [d.state for ds in self.draws.values() for d in ds]
@@ -118,28 +115,50 @@ class RecordDraws(TorchDispatchMode):
 
 class ReplayDraws(TorchDispatchMode):
     """Active while one module's init runs on its real tensors: a random op on one of
-    ``targets`` ((real tensor, its recorded draws)) starts from the recorded state."""
+    ``targets`` ((real tensor, its recorded draws)) starts from a recorded state. A draw
+    over the whole tensor takes the state of the last recorded whole draw of the same op
+    (an init that runs torch's default and then the model's scheme finds both); a draw over
+    a view takes the next recorded draw after it, or of the last initialisation."""
 
     def __init__(self, targets: list[tuple[torch.Tensor, list[Draw]]]) -> None:
         super().__init__()
         self.spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), draws)
                       for t, draws in targets if draws and t.numel() > 0]
-        self.taken = [0] * len(self.spans)
+        self.cursor = [_last_init_start(draws) for _, _, draws in self.spans]
 
-    def _draws_of(self, t: torch.Tensor) -> int | None:
+    def _span_of(self, t: torch.Tensor) -> int | None:
         ptr = t.data_ptr()
         for i, (lo, hi, _) in enumerate(self.spans):
             if lo <= ptr < hi:
                 return i
         return None
 
+    def _draw_for(self, t: torch.Tensor, op: str) -> Draw | None:
+        i = self._span_of(t)
+        if i is None:
+            return None
+        lo, hi, draws = self.spans[i]
+        if t.data_ptr() == lo and t.numel() * t.element_size() == hi - lo:
+            same = [j for j, d in enumerate(draws) if d.whole and d.op == op]
+            if same:
+                self.cursor[i] = same[-1]
+        j = self.cursor[i]
+        if j >= len(draws) or draws[j].op != op:
+            return None
+        self.cursor[i] = j + 1
+        return draws[j]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (_is_random(func) and _writes_first_arg(func) and args
                 and isinstance(args[0], torch.Tensor) and not args[0].is_meta
                 and kwargs.get("generator") is None):
-            i = self._draws_of(args[0])
-            if i is not None and self.taken[i] < len(self.spans[i][2]):
-                torch.set_rng_state(self.spans[i][2][self.taken[i]].state)
-                self.taken[i] += 1
+            draw = self._draw_for(args[0], str(func))
+            if draw is not None:
+                torch.set_rng_state(draw.state)
         return func(*args, **kwargs)
+
+
+def _last_init_start(draws: list[Draw]) -> int:
+    starts = [i for i, d in enumerate(draws) if d.whole]
+    return starts[-1] if starts else 0

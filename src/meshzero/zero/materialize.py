@@ -196,7 +196,7 @@ class Materializer:
                     real.detach().fill_(math.nan)
             getattr(module, kind)[name] = real  # scratch unless created here
         draws = self.record.draws if self.record is not None else None
-        targets = [(real, draws.last_init(meta)) for _, _, meta, real in created
+        targets = [(real, draws.of(meta)) for _, _, meta, real in created
                    if draws is not None]
         with torch.no_grad(), ReplayDraws(targets):
             self._run_init(work, bool(created))
