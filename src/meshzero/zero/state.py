@@ -72,8 +72,8 @@ class ZeroModelState:
         self.tier = make_tier(options.offload, comm=comm, device=device, layout=self.layout,
                               stage=stage, compute_dtype=options.compute_dtype)
         # a meta-device model is made real unit by unit, each unit's groups built as soon as
-        # it is complete, its fp32 values already in flat buffers (zero/materialize.py);
-        # otherwise the units in order
+        # it is complete, its fp32 values in flat buffers the groups take over (popped: at
+        # stage 3 they are freed with the full buffer; zero/materialize.py); else in order
         ready = ((u, {}) for u in range(len(self.layout.units))) if materialize is None \
             else materialize(self.layout)
         built: dict[int, list[FlatGroup]] = {}
@@ -84,7 +84,6 @@ class ZeroModelState:
                           tier=self.tier, init=flats.pop(g.index, None))
                 for g in self.layout.units[u].groups
             ]
-            del flats  # at stage 3 the full values go with the group's full buffer
         self.units: list[list[FlatGroup]] = [built[u] for u in range(len(self.layout.units))]
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
