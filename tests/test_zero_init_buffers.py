@@ -170,3 +170,18 @@ def test_construction_peak_within_two_units():
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     units = _peak_units(out.stdout)
     assert math.isfinite(units) and units <= 2.0, out.stdout
+
+
+def test_estimate_prints_the_construction_peak():
+    """Eager: the whole fp32 model on every rank (+ one unit's flat buffer); zero_init: one
+    unit. 7.5 B parameters, 200 M in the largest unit, 8 GPUs per node."""
+    from meshzero.estimate import Cluster, estimate
+
+    est = estimate(params="7.5B", largest_unit="200M", stage=3,
+                   cluster=Cluster(gpus_per_node=8))
+    lines = str(est).splitlines()
+    eager = next(ln for ln in lines if ln.strip().startswith("eager ("))
+    sharded = next(ln for ln in lines if ln.strip().startswith("zero_init ("))
+    assert eager.split()[-4:] == ["800.00", "MB", "30.00", "GB"], eager
+    assert sharded.split()[-4:] == ["800.00", "MB", "800.00", "MB"], sharded
+    assert "while building: eager 240.00 GB, zero_init 6.40 GB" in str(est)
