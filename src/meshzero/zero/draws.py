@@ -30,6 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from meshzero.zero.heap import trim_heap
+
 
 def _is_random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
@@ -84,21 +86,41 @@ class DrawLog:
                 d.state = next(it)
 
 
-def _scratch(t: Any) -> Any:
-    if isinstance(t, torch.Tensor) and t.is_meta:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    if isinstance(t, torch.device) and t.type == "meta":
-        return torch.device("cpu")
-    return t
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage span ``t`` covers with its strides."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 class RecordDraws(TorchDispatchMode):
     """Active during a ``zero_init`` block: random ops on meta tensors move the CPU
-    generator as they would on real ones, and are logged."""
+    generator as they would on real ones, and are logged. The draws land in one scratch
+    buffer, reused (a fresh tensor per draw, freed at once, would leave glibc holding a
+    model's worth of touched heap pages)."""
 
     def __init__(self, log: DrawLog) -> None:
         super().__init__()
         self.log = log
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _scratch(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            nbytes = _span_bytes(t)
+            if self.buffer.numel() < nbytes:
+                self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes first
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            flat = self.buffer[:nbytes].view(t.dtype)  # offset 0: aligned for any dtype
+            return flat.as_strided(t.shape, t.stride())
+        if isinstance(t, torch.device) and t.type == "meta":
+            return torch.device("cpu")
+        return t
+
+    def __exit__(self, *exc: Any) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        trim_heap()
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -109,7 +131,8 @@ class RecordDraws(TorchDispatchMode):
             if (_writes_first_arg(func) and isinstance(args[0], torch.Tensor)
                     and kwargs.get("generator") is None):
                 self.log.add(args[0], str(func), torch.get_rng_state())
-            func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))  # the draw itself
+            # the draw itself (one meta tensor per op, so one scratch view at a time)
+            func(*tree_map(self._scratch, args), **tree_map(self._scratch, kwargs))
         return func(*args, **kwargs)
 
 

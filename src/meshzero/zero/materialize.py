@@ -28,11 +28,8 @@ directly holds meta tensors:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import platform
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +45,7 @@ from meshzero.zero.construction import (
     is_model_factory,
 )
 from meshzero.zero.draws import ReplayDraws
+from meshzero.zero.heap import trim_heap
 from meshzero.zero.units import Layout, ParamSlot
 
 _KINDS = ("_parameters", "_buffers")
@@ -87,26 +85,6 @@ def _owning_unit(unit_index: dict[str, int], path: str) -> int:
     while path not in unit_index:
         path = path.rsplit(".", 1)[0] if "." in path else ""
     return unit_index[path]
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None (musl, macOS, Windows: nothing to trim that way)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
-        return trim
-    except (OSError, AttributeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Give the free memory of glibc's heaps back to the system (pages inside the heap too,
-    not only its top): the freed values of a built unit would otherwise stay resident."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _has_nan(t: torch.Tensor) -> bool:
