@@ -15,9 +15,13 @@ directly holds meta tensors:
                 tensor here, as in eager construction, where this module initialised a
                 tensor of its own that the tie then discarded (the random numbers are still
                 drawn)
-    initialise  ``init_fn(module)`` or ``module.reset_parameters()``, with the CPU generator
-                in the state recorded at construction (rank 0's, broadcast), so the values
-                equal eager construction's on every rank and no broadcast of them is needed
+    initialise  ``init_fn(module)`` or ``module.reset_parameters()``; each of its random
+                ops on the module's tensors starts from the generator state recorded for
+                that draw at construction (zero/draws.py; rank 0's, broadcast), so the
+                values equal eager construction's on every rank, in any order, and no
+                broadcast of them is needed. Without a record (a model the user put on the
+                meta device) the generator runs on from rank 0's state, in construction
+                order
     check       every floating tensor it created was written (they start as NaN)
     yield       every unit whose modules and parameters are now all real, with its flat
                 buffers; once the caller has built the unit, glibc's free heap memory is
