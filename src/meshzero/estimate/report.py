@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshzero.estimate.construction import construction_lines
 from meshzero.estimate.states import total_bytes
 from meshzero.profiling.report import si
 from meshzero.zero.state import TIERS
@@ -70,6 +71,7 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"per node ({c.gpus_per_node} GPUs): host memory "
                  f"{fmt_bytes(e.host_bytes_per_node)} of {fmt_bytes(c.host_memory)}, NVMe "
                  f"{fmt_bytes(e.nvme_bytes_per_node)}")
+    lines.extend(["", *construction_lines(e, fmt_bytes, _row)])
     if e.flops_per_micro_batch is not None:
         lines.append(f"FLOPs per micro-step per GPU: {si(e.flops_per_micro_batch)} (forward + "
                      "backward" + (" + recomputation" if s.activation_checkpointing else "")

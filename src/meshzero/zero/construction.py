@@ -1,15 +1,24 @@
-"""``meshzero.zero_init``: build a model on the meta device and remember how it was built.
+"""``meshzero.zero_init``: build a model with its parameters on the meta device and remember
+how it was built.
 
     with meshzero.zero_init(config):       # or initialize(model=factory, ...)
-        model = Net()                      # meta tensors: no memory, no random numbers drawn
+        model = Net()                      # meta parameters: no memory held
     engine, *_ = meshzero.initialize(model=model, config=config)
 
+Each parameter goes to the meta device as it is registered (``self.w = nn.Parameter(...)``),
+before ``reset_parameters()`` runs on it; buffers stay real, so a value a constructor
+computes for one (a rotary embedding's ``inv_freq``, a constant scale) is kept as it is. A
+buffer computed from a meta parameter is meta too, and is initialised with its module.
+
 The engine then materialises the model unit by unit (zero/materialize.py). To give the
-same values as eager construction it needs three facts that a finished meta model no longer
+same values as eager construction it needs four facts that a finished meta model no longer
 shows, so they are recorded here while the model is being built:
 
-    rng_state   the CPU generator when construction started (after the config's seed);
-                eager construction would have drawn every initial value from it
+    rng_state   the CPU generator when construction started (after the config's seed)
+    draws       the generator state before every random op on a meta parameter: the
+                ops also run on CPU scratch tensors, so the generator moves as in eager
+                construction and each parameter's last initialisation can be replayed
+                from its own state, in any order (zero/draws.py)
     completed   the order in which modules finished their ``__init__`` (a module is attached
                 to its parent right after its constructor returns): the order in which
                 eager construction ran their ``reset_parameters``
@@ -17,13 +26,16 @@ shows, so they are recorded here while the model is being built:
                 tied weights (``head.weight = embed.weight``) the value eager construction
                 keeps is the one its creator's init wrote
 
-They come from torch's global module registration hooks, installed only for the duration
-of the ``with`` block (an extension point; nothing in torch is patched).
+They come from torch's global module registration hooks and a ``TorchDispatchMode``,
+installed only for the duration of the ``with`` block (extension points; nothing in torch
+is patched); the parameter hook is also the one that returns the meta copy of each
+parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+
+from meshzero.zero.draws import DrawLog, RecordDraws
 
 InitFn = Callable[[nn.Module], None]
 
@@ -42,6 +56,7 @@ class ConstructionRecord:
 
     rng_state: torch.Tensor
     init_fn: InitFn | None
+    draws: DrawLog = field(default_factory=DrawLog)
     completed: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     creator: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
 
@@ -95,8 +110,9 @@ def zero_init(
     init_fn: InitFn | None = None,
     enabled: bool = True,
 ) -> Iterator[ConstructionRecord | None]:
-    """Build modules on the meta device so that the engine can materialise them unit by
-    unit, each rank keeping only its shard (peak memory: about one unit plus the shards).
+    """Build modules with their parameters on the meta device (buffers stay real) so that
+    the engine can materialise them unit by unit, each rank keeping only its shard (peak
+    memory: the shards plus about one unit).
 
     ``config``: the ds_config (dict, JSON path or Config) the engine will get; it is
     validated here and its ``seed``, if set, seeds torch on entry, so the model has the
@@ -107,9 +123,10 @@ def zero_init(
     their parent), instead of ``reset_parameters()``; the modules of a unit are all real when
     it runs, and it must set the tensors each module owns directly. It can also be set after
     the block, when the model exists: ``with zero_init() as record: model = ...`` then
-    ``record.init_fn = model._init_weights`` (Hugging Face models). Initialisation that a
-    constructor does outside ``reset_parameters`` is lost on the meta device: move it
-    there, or into ``init_fn``.
+    ``record.init_fn = model._init_weights`` (Hugging Face models). A parameter's
+    initialisation that a constructor does outside ``reset_parameters`` is lost on the meta
+    device: move it there, or into ``init_fn``. Buffers keep the values the constructor gave
+    them (they are re-initialised only with their module's ``reset_parameters``/``init_fn``).
 
     Yields the :class:`ConstructionRecord` (``None`` with ``enabled=False``, which builds
     eagerly).
@@ -128,22 +145,51 @@ def zero_init(
             _RECORDS[child] = record
             record._note_completed(child)
 
-    def on_tensor(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-        _RECORDS[module] = record
-        if tensor is not None:
-            record._note_creator(module, tensor)
-
     handles = [
         torch_module.register_module_module_registration_hook(on_module),
-        torch_module.register_module_parameter_registration_hook(on_tensor),
-        torch_module.register_module_buffer_registration_hook(on_tensor),
+        # torch documents that the hook's result replaces the parameter; its stub says None
+        torch_module.register_module_parameter_registration_hook(
+            functools.partial(_on_parameter, record)),  # type: ignore[arg-type]
+        torch_module.register_module_buffer_registration_hook(
+            functools.partial(_on_buffer, record)),
     ]
     try:
-        with torch.device("meta"):
+        with RecordDraws(record.draws):
             yield record
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _to_meta(param: torch.Tensor) -> torch.Tensor:
+    """A meta parameter like ``param`` (same class, requires_grad and attributes)."""
+    meta = param.detach().to("meta")
+    if type(param) is nn.Parameter:
+        return nn.Parameter(meta, requires_grad=param.requires_grad)
+    subclass: Any = type(param)
+    out = subclass(meta, requires_grad=param.requires_grad)
+    out.__dict__.update(param.__dict__)
+    return out
+
+
+def _on_parameter(record: ConstructionRecord, module: nn.Module, name: str,
+                  param: torch.Tensor | None) -> torch.Tensor | None:
+    """Registration hook: the parameter goes to the meta device (its real memory, not yet
+    written, is freed when the constructor drops it)."""
+    _RECORDS[module] = record
+    if param is None:
+        return None
+    meta = param if param.is_meta else _to_meta(param)
+    record._note_creator(module, meta)
+    return None if meta is param else meta
+
+
+def _on_buffer(record: ConstructionRecord, module: nn.Module, name: str,
+               buffer: torch.Tensor | None) -> None:
+    """Registration hook: buffers stay as the constructor made them."""
+    _RECORDS[module] = record
+    if buffer is not None:
+        record._note_creator(module, buffer)
 
 
 def has_meta_tensors(model: nn.Module) -> bool:

@@ -56,8 +56,11 @@ class FlatGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         tier: Tier,
+        init: torch.Tensor | None = None,
     ):
-        """``tier``: where the master, the gradient shard and the stage-3 shard live."""
+        """``tier``: where the master, the gradient shard and the stage-3 shard live.
+        ``init``: the group's fp32 values, already laid out (padded_numel,) on ``device``
+        (zero_init materialises parameters in place); parameters not in it are copied in."""
         self.tier = tier
         self.layout = layout
         self.params = params
@@ -67,10 +70,13 @@ class FlatGroup:
         self.trainable = layout.requires_grad
 
         # fp32 copy of the initial values: the master starts exact, not rounded to bf16.
-        init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        if init is None:
+            init = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for slot, p in zip(layout.slots, params, strict=True):
-                init[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                dst = init[slot.offset:slot.offset + slot.numel]
+                if p.data_ptr() != dst.data_ptr():  # not materialised in place
+                    dst.copy_(p.detach().reshape(-1))
         self.full = init if compute_dtype == torch.float32 else init.to(compute_dtype)
         lo, hi = layout.shard_range(rank)
         self.shard = tier.param_shard(self.full[lo:hi]) if self.sharded else self.full[lo:hi]

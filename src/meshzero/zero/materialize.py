@@ -1,22 +1,33 @@
 """Materialise a meta-device model unit by unit, drawing the values eager construction would.
 
 ``ZeroModelState`` iterates ``materializer(layout)`` and builds a unit's flat groups as soon
-as its index is yielded; at stage 3 only this rank's shard of them stays, and the module's
-CPU tensors are freed when its parameters are re-pointed at the flat buffer. Peak memory is
-about the root unit's modules plus one unit plus the shards.
+as ``(unit, flat buffers)`` is yielded; at stage 3 only this rank's shard of them stays and
+the flat buffers are freed. Peak memory is the shards plus about one unit: the unit being
+built (and the root's parameters, if its modules come both before and after the blocks).
 
 Modules are visited in construction order (see construction.py), and for each one that
 directly holds meta tensors:
 
-    allocate    its own parameters and buffers on the CPU (recurse=False); a tied tensor
-                that another module created gets a scratch tensor here, as in eager
-                construction, where this module initialised a tensor of its own that the
-                tie then discarded (the random numbers are still drawn)
-    initialise  ``init_fn(module)`` or ``module.reset_parameters()``, with the CPU generator
-                in the state recorded at construction (rank 0's, broadcast), so the values
-                equal eager construction's on every rank and no broadcast of them is needed
+    allocate    its own parameters and buffers on the CPU (recurse=False). An fp32
+                parameter is a view of its unit's flat fp32 buffer at its slot, so the
+                values are written once, where the flat group keeps them (a unit is never
+                held twice). A tied tensor that another module created gets a scratch
+                tensor here, as in eager construction, where this module initialised a
+                tensor of its own that the tie then discarded (the random numbers are still
+                drawn)
+    initialise  ``init_fn(module)`` or ``module.reset_parameters()``; each of its random
+                ops on the module's tensors starts from the generator state recorded for
+                that draw at construction (zero/draws.py; rank 0's, broadcast), so the
+                values equal eager construction's on every rank, in any order, and no
+                broadcast of them is needed. Without a record (a model the user put on the
+                meta device) the generator runs on from rank 0's state, in construction
+                order
     check       every floating tensor it created was written (they start as NaN)
-    yield       every unit whose modules and parameters are now all real
+    yield       every unit whose modules and parameters are now all real, with its flat
+                buffers; once the caller has built the unit, glibc's free heap memory is
+                returned to the system (malloc_trim): freed units lie between the
+                long-lived shards, and glibc would otherwise keep them resident, growing
+                the process by about a unit each time
 """
 
 from __future__ import annotations
@@ -37,10 +48,11 @@ from meshzero.zero.construction import (
     has_meta_tensors,
     is_model_factory,
 )
-from meshzero.zero.units import Layout
+from meshzero.zero.draws import ReplayDraws
+from meshzero.zero.heap import trim_heap
+from meshzero.zero.units import Layout, ParamSlot
 
 _KINDS = ("_parameters", "_buffers")
-_ARENA_ALIGN = 64  # bytes: every parameter carved from a unit's arena starts aligned
 
 
 @dataclass
@@ -79,18 +91,6 @@ def _owning_unit(unit_index: dict[str, int], path: str) -> int:
     return unit_index[path]
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage span ``t`` covers with its strides (numel bytes if contiguous)."""
-    if t.numel() == 0:
-        return 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
 def _has_nan(t: torch.Tensor) -> bool:
     """max() propagates NaN and, unlike isnan(), needs no temporary the size of ``t``
     (freed temporaries of a few MiB fragment the heap between the long-lived shards)."""
@@ -98,17 +98,21 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 
 class Materializer:
-    """Iterate ``materializer(layout)``: unit indices in the order they become real."""
+    """Iterate ``materializer(layout)``: ``(unit index, {group index: flat fp32 buffer})``
+    in the order units become real (groups without a buffer copy their parameters)."""
 
     def __init__(self, model: nn.Module, record: ConstructionRecord | None, *,
-                 comm: Communicator, device: torch.device, src: int, restore_rng: bool):
+                 comm: Communicator, device: torch.device, src: int,
+                 restore_state: torch.Tensor | None = None):
+        """``restore_state``: the generator state to leave behind (the config's seed);
+        None: as it was before (a zero_init record) or where the replay ends (no record)."""
         self.model = model
         self.record = record
         self.init_fn = record.init_fn if record is not None else None
         self.comm = comm
         self.device = device
         self.src = src
-        self.restore_rng = restore_rng
+        self.restore_state = restore_state
         self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta): (meta, real)
 
     # -- planning -------------------------------------------------------------------------
@@ -144,15 +148,14 @@ class Materializer:
         for w in works:
             pending[w.unit] += 1
         self.param_unit: dict[int, int] = {}
-        self.arena_bytes = [0] * len(layout.units)
-        self.arenas: dict[int, list] = {}  # unit -> [uint8 buffer, bytes used]
-        self.spare: list[torch.Tensor] = []  # arenas of built units, to be reused
+        self.slot_of: dict[int, ParamSlot] = {}  # id(meta parameter) -> its flat slot
+        self.flats: dict[tuple[int, int], torch.Tensor] = {}  # (unit, group): fp32 (padded,)
+        self.layout = layout
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if p.is_meta and id(p) not in self.param_unit:
-                unit = layout.slots[name].unit
-                self.param_unit[id(p)] = unit
-                self.arena_bytes[unit] += _aligned(_span_bytes(p))
-                pending[unit] += 1
+                self.slot_of[id(p)] = layout.slots[name]
+                self.param_unit[id(p)] = layout.slots[name].unit
+                pending[layout.slots[name].unit] += 1
         return works, creator, pending
 
     # -- one module -------------------------------------------------------------------------
@@ -174,7 +177,10 @@ class Materializer:
                 if real.is_floating_point():
                     real.detach().fill_(math.nan)
             getattr(module, kind)[name] = real  # scratch unless created here
-        with torch.no_grad():
+        draws = self.record.draws if self.record is not None else None
+        targets = [(real, draws.of(meta)) for _, _, meta, real in created
+                   if draws is not None]
+        with torch.no_grad(), ReplayDraws(targets):
             self._run_init(work, bool(created))
         unset = [name for _, name, _, real in created if real.is_floating_point()
                  and _has_nan(real)]
@@ -195,23 +201,20 @@ class Materializer:
         return [meta for _, _, meta, _ in created]
 
     def _take(self, meta: torch.Tensor) -> torch.Tensor:
-        """CPU memory for a parameter, carved from its unit's arena. An arena is reused by
-        a later unit once its unit's flat groups hold the values: transient tensors that are
-        allocated and freed unit after unit would leave holes in the heap between the
-        long-lived shards, and the process would grow by about a unit each time."""
-        unit = self.param_unit[id(meta)]
-        if unit not in self.arenas:
-            size = self.arena_bytes[unit]
-            fits = [a for a in self.spare if a.numel() >= size]
-            arena = min(fits, key=torch.Tensor.numel) if fits else torch.empty(
-                size, dtype=torch.uint8)
-            self.spare = [a for a in self.spare if a is not arena]
-            self.arenas[unit] = [arena, 0]
-        arena, offset = self.arenas[unit]
-        nbytes = _span_bytes(meta)
-        self.arenas[unit][1] = offset + _aligned(nbytes)
-        flat = arena[offset:offset + nbytes].view(meta.dtype)
-        return flat.as_strided(meta.shape, meta.stride())
+        """CPU memory for a parameter: its slot of the unit's flat fp32 buffer, which the
+        flat group then keeps as it is (no copy), or, for another dtype, a non-contiguous
+        parameter or a group on an accelerator, a tensor of its own that the group copies."""
+        slot = self.slot_of[id(meta)]
+        if (meta.dtype != torch.float32 or not meta.is_contiguous()
+                or self.device.type != "cpu"):
+            return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
+        key = (slot.unit, slot.group)
+        if key not in self.flats:
+            group = self.layout.units[slot.unit].groups[slot.group]
+            flat = torch.empty(group.padded_numel, dtype=torch.float32)
+            flat[group.numel:].zero_()  # the padding; every slot is written by its init
+            self.flats[key] = flat
+        return self.flats[key][slot.offset:slot.offset + slot.numel].view(meta.shape)
 
     def _run_init(self, work: _Work, has_own: bool) -> None:
         reset = getattr(work.module, "reset_parameters", None)
@@ -233,20 +236,28 @@ class Materializer:
 
     # -- the unit stream ----------------------------------------------------------------------
     def _shared_rng_state(self) -> torch.Tensor:
-        """The generator state construction started from, rank ``src``'s on every rank."""
+        """The generator state construction started from, rank ``src``'s on every rank, as
+        are the recorded states of its draws (the same count on every rank: one model)."""
         state = (self.record.rng_state if self.record is not None else torch.get_rng_state())
+        draws = self.record.draws if self.record is not None else None
+        states = [state, *(draws.states() if draws is not None else [])]
         if self.comm.size == 1:
             return state.clone()
-        buf = state.to(self.device)
+        buf = torch.stack(states).to(self.device)
         self.comm.broadcast(buf, self.src).wait()
-        return buf.cpu()
+        shared = [row.clone() for row in buf.cpu()]  # set_rng_state needs its own storage
+        if draws is not None:
+            draws.set_states(shared[1:])
+        return shared[0]
 
-    def __call__(self, layout: Layout) -> Iterator[int]:
+    def __call__(self, layout: Layout) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
         works, creator, pending = self._plan(layout)
-        saved = torch.get_rng_state()
+        end = self.restore_state
+        if end is None and self.record is not None:  # construction already drew: keep it
+            end = torch.get_rng_state()
         torch.set_rng_state(self._shared_rng_state())
         try:
-            yield from (u for u, n in enumerate(pending) if n == 0)
+            yield from ((u, {}) for u, n in enumerate(pending) if n == 0)
             for work in works:
                 touched = [work.unit]
                 for meta in self._materialize(work, creator):
@@ -258,28 +269,22 @@ class Materializer:
                     if pending[u] == 0:
                         ready.add(u)
                 for u in sorted(ready):
-                    yield u  # the caller copies the unit into its flat groups
-                    self._recycle(layout, u)
+                    yield u, self._take_flats(u)  # the caller builds the unit's flat groups
+                    trim_heap()
         finally:
-            if self.restore_rng:
-                torch.set_rng_state(saved)
+            if end is not None:
+                torch.set_rng_state(end)
         self._finish(pending)
 
-    def _recycle(self, layout: Layout, unit: int) -> None:
-        """Keep ``unit``'s arena for a later unit if no parameter uses it any more."""
-        if unit not in self.arenas:
-            return
-        arena = self.arenas.pop(unit)[0]
-        ptr = arena.untyped_storage().data_ptr()
-        names = [s.name for g in layout.units[unit].groups for s in g.slots]
-        if all(self.model.get_parameter(n).untyped_storage().data_ptr() != ptr for n in names):
-            self.spare.append(arena)
+    def _take_flats(self, unit: int) -> dict[int, torch.Tensor]:
+        """The flat buffers of ``unit`` by group index; the materializer lets go of them."""
+        groups = range(len(self.layout.units[unit].groups))
+        return {g: self.flats.pop((unit, g)) for g in groups if (unit, g) in self.flats}
 
     def _finish(self, pending: list[int]) -> None:
         left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
                 if t.is_meta]
         assert not left and not any(pending), f"still on the meta device: {left}, {pending}"
-        self.spare.clear()
         for module in self.model.modules():  # buffers that were real from the start
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != self.device:
@@ -303,6 +308,8 @@ def prepare_model(model: Any, config: Any, *, comm: Communicator, device: torch.
                   src: int) -> tuple[nn.Module, Materializer | None]:
     """The engine's module and, for a model on the meta device (built by a factory under
     ``zero_init`` here, or by the user), the materializer ZeroModelState drives."""
+    # with a seed, the generator is left as the seed set it (eager: seeded after building)
+    seeded = torch.get_rng_state() if config.seed is not None else None
     if is_model_factory(model):
         model = build_from_factory(model, config)
     if not isinstance(model, nn.Module):
@@ -311,4 +318,4 @@ def prepare_model(model: Any, config: Any, *, comm: Communicator, device: torch.
     if not has_meta_tensors(model):
         return model, None
     return model, Materializer(model, find_record(model), comm=comm, device=device, src=src,
-                               restore_rng=config.seed is not None)
+                               restore_state=seeded)

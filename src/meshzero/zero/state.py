@@ -55,7 +55,8 @@ class ZeroOptions:
 class ZeroModelState:
     def __init__(self, model: nn.Module, comm: Communicator, device: torch.device,
                  options: ZeroOptions,
-                 materialize: Callable[[Layout], Iterable[int]] | None = None,
+                 materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
+                 | None = None,
                  secondary_comm: Communicator | None = None,
                  replica_comm: Communicator | None = None):
         self.model = model
@@ -75,15 +76,16 @@ class ZeroModelState:
                               stage=stage, compute_dtype=options.compute_dtype,
                               grad_dtype=options.grad_dtype)
         # a meta-device model is made real unit by unit, each unit's groups built as soon as
-        # it is complete (zero/materialize.py); otherwise the units in order
-        ready = range(len(self.layout.units)) if materialize is None else materialize(
-            self.layout)
+        # it is complete, its fp32 values in flat buffers the groups take over (popped: at
+        # stage 3 they are freed with the full buffer; zero/materialize.py); else in order
+        ready = ((u, {}) for u in range(len(self.layout.units))) if materialize is None \
+            else materialize(self.layout)
         built: dict[int, list[FlatGroup]] = {}
-        for u in ready:
+        for u, flats in ready:
             built[u] = [
                 FlatGroup(g, [model.get_parameter(s.name) for s in g.slots], stage=stage,
                           rank=comm.rank, compute_dtype=options.compute_dtype, device=device,
-                          tier=self.tier)
+                          tier=self.tier, init=flats.pop(g.index, None))
                 for g in self.layout.units[u].groups
             ]
         self.units: list[list[FlatGroup]] = [built[u] for u in range(len(self.layout.units))]

@@ -1,0 +1,147 @@
+"""Peak host memory of building a model for ZeRO-3: eager construction vs ``zero_init``.
+
+    python benchmarks/construction_peak.py [--world-size 2] [--stage 3] [--blocks 15]
+
+The model (issue 15): about 96 M fp32 parameters in 16 pieces of ~24 MB with odd widths, a
+tied embedding (5,993 x 1,001, shared with the head) and 15 blocks (LayerNorm, 1,001 ->
+2,997 -> 1,001). One unit is one block's bytes. Each rank under torchrun (gloo on CPU)
+resets its peak RSS (``/proc/self/clear_refs`` 5), builds the engine, and reports
+
+    peak beyond states = (VmHWM - RSS before) - bytes of the model states it holds after
+
+(``memory_report()``: parameter, master and gradient shards), in units; the table gives
+the worst rank. A tiny engine is built first, the same way, so that the imports and
+threads a first engine starts (tens of MB, whatever the model) are not counted. Eager
+construction holds the whole model (+ the ZeRO copy of each unit) before it is sharded;
+``zero_init`` materialises one unit at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+from _torchrun import print_result, run_ranks
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the head (nanoGPT's way: the head's initial values are kept)."""
+
+    def __init__(self, vocab: int = 5993, dim: int = 1001, hidden: int = 2997,
+                 blocks: int = 15) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed.weight = self.head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _state_bytes(report: dict) -> int:
+    return sum(sum(v.values()) for k, v in report.items()
+               if k in ("params", "master_params", "grads", "optimizer_states"))
+
+
+def _build(how: str, factory, config: dict) -> tuple:
+    import meshzero
+
+    if how == "eager":
+        torch.manual_seed(0)
+        return meshzero.initialize(model=factory(), config=config)
+    return meshzero.initialize(model=factory, config=config)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    config = {"train_batch_size": world, "seed": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": args.stage}}
+    unit = sum(p.numel() for p in Block(1001, 2997).parameters()) * 4
+    # the first engine imports modules and starts threads (tens of MB, whatever the model):
+    # build a tiny one first, the same way, so the measurement holds construction alone
+    _build(args.how, lambda: TiedLM(vocab=8, dim=3, hidden=5, blocks=2), config)[0].close()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = _status("VmRSS")
+    engine = _build(args.how, lambda: TiedLM(blocks=args.blocks), config)[0]
+    peak = _status("VmHWM") - base
+    gc.collect()
+    after = _status("VmRSS") - base
+    states = _state_bytes(engine.memory_report())
+    numel = sum(p.numel() for p in engine.module.parameters())
+    rows: list = [None] * world
+    dist.all_gather_object(rows, {"peak": peak, "after": after, "states": states})
+    if dist.get_rank() == 0:
+        print_result({"unit": unit, "numel": numel, "ranks": rows})
+    engine.close()
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
+    print("| construction | W | stage | params | unit MB | states MB/rank | peak MB (worst) "
+          "| peak beyond states, units (per rank) | RSS after beyond states, units |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for how in args.how:
+        res = run_ranks(__file__, args.world_size,
+                        ["--how", how, "--stage", str(args.stage), "--blocks", str(args.blocks)])
+        unit = res["unit"]
+        ranks = res["ranks"]
+        beyond = [(r["peak"] - r["states"]) / unit for r in ranks]
+        left = [(r["after"] - r["states"]) / unit for r in ranks]
+        print(f"| {how} | {args.world_size} | {args.stage} | {res['numel'] / 1e6:.1f} M | "
+              f"{unit / 1e6:.1f} | {max(r['states'] for r in ranks) / 1e6:.0f} | "
+              f"{max(r['peak'] for r in ranks) / 1e6:.0f} | **{max(beyond):.2f}** "
+              f"({', '.join(f'{b:.2f}' for b in beyond)}) | {max(left):.2f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=15)
+    parser.add_argument("--how", nargs="+", default=["eager", "zero_init"],
+                        choices=["eager", "zero_init"])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.how = args.how[0]
+        worker(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
