@@ -75,20 +75,7 @@ class ZeroModelState:
         self.tier = make_tier(options.offload, comm=comm, device=device, layout=self.layout,
                               stage=stage, compute_dtype=options.compute_dtype,
                               grad_dtype=options.grad_dtype)
-        # a meta-device model is made real unit by unit, each unit's groups built as soon as
-        # it is complete, its fp32 values in flat buffers the groups take over (popped: at
-        # stage 3 they are freed with the full buffer; zero/materialize.py); else in order
-        ready = ((u, {}) for u in range(len(self.layout.units))) if materialize is None \
-            else materialize(self.layout)
-        built: dict[int, list[FlatGroup]] = {}
-        for u, flats in ready:
-            built[u] = [
-                FlatGroup(g, [model.get_parameter(s.name) for s in g.slots], stage=stage,
-                          rank=comm.rank, compute_dtype=options.compute_dtype, device=device,
-                          tier=self.tier, init=flats.pop(g.index, None))
-                for g in self.layout.units[u].groups
-            ]
-        self.units: list[list[FlatGroup]] = [built[u] for u in range(len(self.layout.units))]
+        self.units: list[list[FlatGroup]] = self._build_units(materialize)
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
         self.memory = GatheredMemory(resident)
@@ -114,6 +101,28 @@ class ZeroModelState:
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.closed = False
+
+    def _build_units(
+        self, materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
+        | None,
+    ) -> list[list[FlatGroup]]:
+        """Each unit's flat groups. A meta-device model is made real unit by unit, each unit's
+        groups built as soon as it is complete, its fp32 values in flat buffers the groups take
+        over (popped: at stage 3 they are freed with the full buffer; zero/materialize.py);
+        else in order."""
+        n_units, opts = len(self.layout.units), self.options
+        ready = ((u, {}) for u in range(n_units)) if materialize is None \
+            else materialize(self.layout)
+        built: dict[int, list[FlatGroup]] = {}
+        for u, flats in ready:
+            built[u] = [
+                FlatGroup(g, [self.model.get_parameter(s.name) for s in g.slots],
+                          stage=opts.stage, rank=self.comm.rank,
+                          compute_dtype=opts.compute_dtype, device=self.device,
+                          tier=self.tier, init=flats.pop(g.index, None))
+                for g in self.layout.units[u].groups
+            ]
+        return [built[u] for u in range(n_units)]
 
     # -- the optimizer step (the tier runs it) -----------------------------------------------
     @property
