@@ -17,17 +17,24 @@ Uses outside these hooks (zero/param_access.py) gather a unit on demand and make
 kept until the end of backward or the next step. So is a unit whose output views its own
 parameters (a block returning its bias). A unit running inside itself (recursion) is released
 only when its outermost call returns. Before every all-gather the ranks exchange the unit
-index, so ranks that run different units (rank-dependent control flow) fail naming both.
+index, so ranks that run different units (rank-dependent control flow) fail naming both. The
+exchange runs over a process group of its own: on the data group it would queue behind the
+gathers and reductions in flight (gloo runs a group's ops in order) and wait for them all.
+
+Reuse (zero/gather_plan.py): from the second step, the units of the plan's kept set are not
+released after their last forward use; their backward finds them gathered.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from meshzero.comm import Communicator, Handle
+from meshzero.comm import Communicator, Handle, all_gather_objects
 from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+from meshzero.zero.gather_plan import plan_reuse
 from meshzero.zero.param_access import (
     SavedParameterHooks,
     forget_dead,
@@ -39,6 +46,21 @@ from meshzero.zero.param_access import (
 
 class GatherOrderError(RuntimeError):
     """Stage 3: the ranks gathered different units at the same point of the step."""
+
+
+def order_check_communicator(comm: Communicator) -> Communicator | None:
+    """A communicator over ``comm``'s ranks on a process group of its own, for the unit-order
+    check (counted as ``order_check`` under ``comm``'s name); None for one rank."""
+    if comm.size == 1 or comm.group is None:
+        return None
+    # new_group is collective over the world, every rank naming the same ranks in the same
+    # order: learn every rank's group first (a tp or MiCS mesh has several)
+    mine = tuple(dist.get_process_group_ranks(comm.group))
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in all_gather_objects(mine, dist.group.WORLD):
+        if tuple(ranks) not in groups:
+            groups[tuple(ranks)] = dist.new_group(list(ranks))
+    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node)
 
 
 class GatheredMemory:
@@ -95,6 +117,9 @@ class ParameterSharder:
         self.gathered = [False] * len(self.units)
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
+        self.release_pos: dict[int, int] = {}  # unit -> fwd_pos at its last post-forward
+        self.kept: frozenset[int] = frozenset()  # kept gathered into backward (the plan)
+        self.check_comm = order_check_communicator(comm)
         self.recording = True
         self.in_backward = False
         self.fwd_pos = 0
@@ -126,7 +151,7 @@ class ParameterSharder:
         secondary = self.secondary.pop(unit, None)
         comm = self.comm if secondary is None else self.secondary_comm
         assert comm is not None  # secondary shards are kept only with a secondary communicator
-        self._check_order(unit, comm)
+        self._check_order(unit)
         for i, g in enumerate(self.units[unit]):
             alloc_storage(g.full)
             self._unit_of_storage[g.full.untyped_storage().data_ptr()] = unit
@@ -138,11 +163,13 @@ class ParameterSharder:
                 handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
 
-    def _check_order(self, unit: int, comm: Communicator) -> None:
+    def _check_order(self, unit: int) -> None:
         """Every rank must be gathering the same unit now. Checked before the data moves:
         gloo aborts the process on an all-gather whose sizes differ between ranks, and equal
-        sizes would silently mix two units' weights."""
-        if comm.size == 1:
+        sizes would silently mix two units' weights. (hpZ's secondary gathers are checked
+        over every data-parallel rank too: all of them gather the same unit at once.)"""
+        comm = self.check_comm
+        if comm is None:
             return
         every = torch.empty(comm.size, dtype=torch.int64, device=self.device)
         mine = torch.full((1,), unit, dtype=torch.int64, device=self.device)
@@ -183,6 +210,8 @@ class ParameterSharder:
         if self.shard_source is None or self.recording:
             return
         for u in order[pos + 1:]:
+            if self.gathered[u] or u in self.pending:  # kept or prefetched: no read
+                continue
             for g in self.units[u]:
                 if not self.shard_source.prefetch_shard(g):
                     return
@@ -283,8 +312,10 @@ class ParameterSharder:
 
         return pre_forward
 
-    def _reused_soon(self, unit: int) -> bool:
-        """Whether ``unit`` runs again in this forward within max_reuse_distance elements."""
+    def _keep_gathered(self, unit: int) -> bool:
+        """Whether ``unit`` stays gathered after this forward use: it runs again in this
+        forward within max_reuse_distance elements, or this is its last forward use and the
+        reuse plan keeps it for backward (zero/gather_plan.py)."""
         if self.recording:
             return False
         distance = 0
@@ -292,7 +323,7 @@ class ParameterSharder:
             if u == unit:
                 return distance <= self.max_reuse_distance
             distance += self.numel[u]
-        return False
+        return unit in self.kept and torch.is_grad_enabled()
 
     def _make_post_forward(self, unit: int):
         def post_forward(module, args, output):
@@ -302,7 +333,9 @@ class ParameterSharder:
             tensors = output_tensors(output)
             if self._views_unit(unit, tensors):
                 self.sticky.add(unit)  # the caller computes with this unit's own storage
-            if not self._reused_soon(unit) and self.depth[unit] == 0 \
+            if self.recording and self.depth[unit] == 0:
+                self.release_pos[unit] = self.fwd_pos
+            if not self._keep_gathered(unit) and self.depth[unit] == 0 \
                     and unit not in self.sticky:
                 if self.secondary_comm is not None and torch.is_grad_enabled():
                     self.wait_parameters(unit)
@@ -350,6 +383,10 @@ class ParameterSharder:
         for kept in self.secondary.values():  # units that had no backward
             self.memory.add(-sum(t.numel() * t.element_size() for t in kept))
         self.secondary.clear()
+        if self.recording:
+            self.kept = plan_reuse(self.fwd_order, self.bwd_order, self.numel, self.release_pos,
+                                   max_reuse_distance=self.max_reuse_distance,
+                                   max_live_parameters=self.max_live_numel)
         self.recording = False
         self.in_backward = False
 
@@ -357,6 +394,9 @@ class ParameterSharder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.check_comm is not None and self.check_comm.group is not None:
+            dist.destroy_process_group(self.check_comm.group)
+            self.check_comm = None
         for gs in self.units:
             for g in gs:
                 for p in g.params:
