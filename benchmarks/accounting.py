@@ -1,7 +1,7 @@
 """Model-state bytes and communication per rank, measured by the engine, against the ZeRO
 formulas, for every stage at several world sizes.
 
-    python benchmarks/accounting.py --world-sizes 1 2 4 --stages 0 1 2 3 [--bf16]
+    python benchmarks/accounting.py --world-sizes 1 2 4 --stages 0 1 2 3 [--bf16] [--no-reuse]
 
 Each (stage, world size) runs under torchrun (gloo on CPU), trains a few steps of an
 MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. Formulas
@@ -10,8 +10,11 @@ MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. 
     model states:  stage 0: (p + m + 4 + 8) psi        stage 1: (p + 4) psi + (m + 8) psi / N
                    stage 2: p psi + (m + 4 + 8) psi/N  stage 3: (p + m + 4 + 8) psi / N
                    with p = 4 (fp32) or 2 (bf16) bytes, m = 0 (fp32) or 4 (bf16 master)
-    comm per step: stage 0-2: 2 psi b (N-1)/N          stage 3: 3 psi b (N-1)/N
-                   (stage 3 bf16: 2 psi * 2 gathered + psi * 4 reduced, times (N-1)/N)
+    comm per step: stage 0-2: 2 psi b (N-1)/N          stage 3: (g psi p + 4 psi) (N-1)/N
+                   g = 1: DeepSpeed's default stage3_max_reuse_distance and
+                   stage3_max_live_parameters (1e9) keep every unit of this model gathered
+                   from forward into backward (zero/gather_plan.py); g = 2 with --no-reuse
+                   (both 0: every unit gathered again in backward)
 
 The measured numbers include padding (each unit padded to N * 4 elements) and Adam's 4-byte
 step counter per fragment, so they sit slightly above the formulas.
@@ -44,7 +47,9 @@ def worker(args: argparse.Namespace) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "bf16": {"enabled": args.bf16},
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0,
-                              "unit_classes": ["Sequential"]},
+                              "unit_classes": ["Sequential"],
+                              **({"stage3_max_reuse_distance": 0,
+                                  "stage3_max_live_parameters": 0} if args.no_reuse else {})},
     }
     engine, *_ = meshzero.initialize(model=model, config=config)
     for _ in range(2):
@@ -57,7 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
-def formulas(stage: int, psi: int, n: int, bf16: bool) -> tuple[float, float]:
+def formulas(stage: int, psi: int, n: int, bf16: bool, reuse: bool = True
+             ) -> tuple[float, float]:
     p, m = (2, 4) if bf16 else (4, 0)
     states = {
         0: (p + m + 4 + 8) * psi,
@@ -66,7 +72,7 @@ def formulas(stage: int, psi: int, n: int, bf16: bool) -> tuple[float, float]:
         3: (p + m + 4 + 8) * psi / n,
     }[stage]
     if stage == 3:
-        comm = (2 * psi * p + psi * 4) * (n - 1) / n
+        comm = ((1 if reuse else 2) * psi * p + psi * 4) * (n - 1) / n
     else:
         comm = 2 * psi * (4 if stage == 0 else (4 + p) / 2) * (n - 1) / n
     return states, comm
@@ -80,11 +86,13 @@ def run(args: argparse.Namespace) -> None:
         for n in args.world_sizes:
             res = run_ranks(__file__, n, ["--stage", str(stage), "--dim", str(args.dim),
                                           "--blocks", str(args.blocks)]
-                            + (["--bf16"] if args.bf16 else []))
+                            + (["--bf16"] if args.bf16 else [])
+                            + (["--no-reuse"] if args.no_reuse else []))
             mem = {k: v["device"] for k, v in res["memory"].items() if isinstance(v, dict)}
             states = sum(mem.values())
-            comm = sum(v["bytes"] for v in res["comm"].values())
-            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16)
+            # parameter and gradient traffic (not stage 3's 8-byte unit-order checks)
+            comm = sum(v["bytes"] for k, v in res["comm"].items() if k != "order_check")
+            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16, not args.no_reuse)
             ratio = f"{comm / f_comm:.4f}" if f_comm else "-"
             rows.append(
                 f"| {stage} | {n} | {res['psi']} | {mem['params']} | {mem['master_params']} | "
@@ -100,6 +108,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="stage 3: stage3_max_reuse_distance and max_live_parameters 0")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
