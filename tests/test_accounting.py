@@ -134,8 +134,9 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
     else:
         want = {"reduce_scatter": (units, _ring(padded, world_size)),
                 "all_gather": (units, _ring(padded, world_size))}
-        if world_size > 1:  # each all-gather is preceded by the 8-byte unit-order check
-            want["order_check"] = (units, units * _ring(8 * world_size, world_size))
+        if world_size > 1:  # one unit-order check before the gathers of a hook: the root's
+            # forward hook gathers every unit (prefetch), [count, units, padding] in int64
+            want["order_check"] = (1, _ring(8 * (units + 1) * world_size, world_size))
     for r in results:
         got = {op: (v["count"], v["bytes"]) for op, v in r.comm.items()}
         assert got == want
