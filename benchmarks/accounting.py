@@ -2,7 +2,7 @@
 formulas, for every stage at several world sizes.
 
     python benchmarks/accounting.py --world-sizes 1 2 4 --stages 0 1 2 3 [--bf16]
-        [--grad-dtype fp32|bf16]
+        [--grad-dtype fp32|bf16] [--no-reuse]
 
 Each (stage, world size) runs under torchrun (gloo on CPU), trains a few steps of an
 MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. Formulas
@@ -14,7 +14,11 @@ MLP-block model and reports rank 0's ``memory_report()`` and ``comm_report()``. 
                    g = the gradient dtype's bytes (data_types.grad_accum_dtype; default the
                    compute dtype): bf16 with bf16 gradients is the ZeRO paper's 16 psi
     comm per step: stages 1-2 reduce-scatter psi g and all-gather psi p, stage 0 all-reduces
-                   2 psi g, stage 3 all-gathers 2 psi p and reduce-scatters psi g; (N-1)/N
+                   2 psi g, stage 3 all-gathers k psi p and reduce-scatters psi g; (N-1)/N.
+                   k = 1: DeepSpeed's default stage3_max_reuse_distance and
+                   stage3_max_live_parameters (1e9) keep every unit of this model gathered
+                   from forward into backward (zero/gather_plan.py); k = 2 with --no-reuse
+                   (both 0: every unit gathered again in backward)
 
 The measured numbers include padding (each unit padded to N * 4 elements) and Adam's 4-byte
 step counter per fragment, so they sit slightly above the formulas.
@@ -48,7 +52,9 @@ def worker(args: argparse.Namespace) -> None:
         "bf16": {"enabled": args.bf16},
         **({"data_types": {"grad_accum_dtype": args.grad_dtype}} if args.grad_dtype else {}),
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0,
-                              "unit_classes": ["Sequential"]},
+                              "unit_classes": ["Sequential"],
+                              **({"stage3_max_reuse_distance": 0,
+                                  "stage3_max_live_parameters": 0} if args.no_reuse else {})},
     }
     engine, *_ = meshzero.initialize(model=model, config=config)
     for _ in range(2):
@@ -61,8 +67,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
-def formulas(stage: int, psi: int, n: int, bf16: bool, grad_dtype: str | None
-             ) -> tuple[float, float]:
+def formulas(stage: int, psi: int, n: int, bf16: bool, grad_dtype: str | None,
+             reuse: bool = True) -> tuple[float, float]:
     p, m = (2, 4) if bf16 else (4, 0)
     g = {None: p, "fp32": 4, "bf16": 2}[grad_dtype]
     states = {
@@ -72,7 +78,7 @@ def formulas(stage: int, psi: int, n: int, bf16: bool, grad_dtype: str | None
         3: (p + m + g + 8) * psi / n,
     }[stage]
     if stage == 3:
-        comm = (2 * psi * p + psi * g) * (n - 1) / n
+        comm = ((1 if reuse else 2) * psi * p + psi * g) * (n - 1) / n
     else:
         comm = psi * (2 * g if stage == 0 else g + p) * (n - 1) / n
     return states, comm
@@ -87,11 +93,15 @@ def run(args: argparse.Namespace) -> None:
             res = run_ranks(__file__, n, ["--stage", str(stage), "--dim", str(args.dim),
                                           "--blocks", str(args.blocks)]
                             + (["--bf16"] if args.bf16 else [])
-                            + (["--grad-dtype", args.grad_dtype] if args.grad_dtype else []))
+                            + (["--grad-dtype", args.grad_dtype] if args.grad_dtype else [])
+                            + (["--no-reuse"] if args.no_reuse else []))
             mem = {k: v["device"] for k, v in res["memory"].items() if isinstance(v, dict)}
             states = sum(mem.values())
-            comm = sum(v["bytes"] for v in res["comm"].values())
-            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16, args.grad_dtype)
+            # parameter and gradient traffic (not the 8-byte unit-order and step checks)
+            comm = sum(v["bytes"] for k, v in res["comm"].items()
+                       if k not in ("order_check", "step_check"))
+            f_states, f_comm = formulas(stage, res["psi"], n, args.bf16, args.grad_dtype,
+                                        not args.no_reuse)
             ratio = f"{comm / f_comm:.4f}" if f_comm else "-"
             rows.append(
                 f"| {stage} | {n} | {res['psi']} | {mem['params']} | {mem['master_params']} | "
@@ -109,6 +119,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default=None,
                         help="data_types.grad_accum_dtype (default: the compute dtype)")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="stage 3: stage3_max_reuse_distance and max_live_parameters 0")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

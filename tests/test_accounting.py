@@ -120,8 +120,11 @@ def _ring(nbytes: int, world: int) -> int:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
     """Per step: stage 0 all-reduces 2 psi; stages 1-2 reduce-scatter psi and all-gather
-    psi; stage 3 all-gathers psi in forward and again in backward and reduce-scatters psi;
-    each times (N-1)/N, psi being the padded flat size in bytes."""
+    psi; stage 3 all-gathers psi in forward, in backward the units its reuse plan did not keep
+    gathered (2 psi - psi_kept in all, zero/gather_plan.py; DeepSpeed's default reuse
+    distance and live bound, 1e9 each, keep every unit of this model: psi), and
+    reduce-scatters psi; each times (N-1)/N, psi being the padded flat size in bytes.
+    tests/test_reuse.py checks plans that keep some units only."""
     cfg = zero_config(stage, global_batch=8)
     results = run_distributed(train, world_size, tmp_path, "mlp", cfg, STEPS)
     padded = sum(_shard(sum(u), world_size) * world_size for u in _units("mlp")) * 4
@@ -133,9 +136,10 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
                 "all_gather": (units, _ring(padded, world_size))}
     else:
         want = {"reduce_scatter": (units, _ring(padded, world_size)),
-                "all_gather": (2 * units, 2 * _ring(padded, world_size))}
-        if world_size > 1:  # each all-gather is preceded by the 8-byte unit-order check
-            want["order_check"] = (2 * units, 2 * units * _ring(8 * world_size, world_size))
+                "all_gather": (units, _ring(padded, world_size))}
+        if world_size > 1:  # one unit-order check before the gathers of a hook: the root's
+            # forward hook gathers every unit (prefetch), [count, units, padding] in int64
+            want["order_check"] = (1, _ring(8 * (units + 1) * world_size, world_size))
     if stage >= 1:  # the non-finite check: two float64 all-reduced once per step
         want["step_check"] = (1, 2 * _ring(16, world_size))
     for r in results:
@@ -148,16 +152,17 @@ def test_comm_bf16_gathers_half_the_bytes(tmp_path):
     cfg = zero_config(3, global_batch=8, bf16={"enabled": True})
     r = run_distributed(train, 4, tmp_path, "mlp", cfg, STEPS)[0]
     padded_elems = sum(_shard(sum(u), 4) * 4 for u in _units("mlp"))
-    assert r.comm["all_gather"]["bytes"] == 2 * _ring(padded_elems * 2, 4)
+    assert r.comm["all_gather"]["bytes"] == _ring(padded_elems * 2, 4)  # every unit reused
     # reduced in the gradient dtype, by default the compute dtype (bf16)
     assert r.comm["reduce_scatter"]["bytes"] == _ring(padded_elems * 2, 4)
 
 
 def test_stage3_gathered_peak_is_bounded_by_units_in_flight(tmp_path):
-    """Without prefetch, at most the root and two blocks are gathered at once (the next
-    block's gather can begin as the previous block's last gradient arrives)."""
+    """Without prefetch and reuse, at most the root and two blocks are gathered at once (the
+    next block's gather can begin as the previous block's last gradient arrives)."""
     cfg = zero_config(3, global_batch=8,
-                      zero_optimization={"stage3_prefetch_bucket_size": 0})
+                      zero_optimization={"stage3_prefetch_bucket_size": 0,
+                                         "stage3_max_reuse_distance": 0})
     r = run_distributed(train, 4, tmp_path, "mlp", cfg, STEPS)[0]
     units = [_shard(sum(u), 4) * 4 * 4 for u in _units("mlp")]
     root, blocks = units[0], units[1:]

@@ -1,4 +1,5 @@
-"""benchmarks/compare.py runs end to end, so the side-by-side harness cannot rot (issue 6).
+"""benchmarks/compare.py runs end to end, so the side-by-side harness cannot rot (issue 6);
+benchmarks/gpu_check.sh passes its own CPU dry run (slow set).
 
 It launches each system under torchrun with two ranks on a tiny GPT; DeepSpeed is left out
 here (it is an optional extra), the table is checked for one row per system and stage.
@@ -11,6 +12,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,3 +37,16 @@ def test_compare_runs_and_prints_a_row_per_system_and_stage():
     # the same seed, data and fp32 AdamW: every sharded system ends at the same loss
     losses = {round(float(r["loss"]), 3) for r in measured if r["system"] in ("meshzero", "fsdp2")}
     assert len(losses) == 1, losses
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_passes_on_cpu():
+    """benchmarks/gpu_check.sh --dry-run: bash -n on the script, then every check on CPU with
+    tiny models (gloo): the script a GPU machine runs is itself checked here (~1-2 min)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    for check in ("nccl", "bf16", "cpu_offload", "nvme_offload", "gpt_offload"):
+        assert re.search(rf"^PASS {check}\b", out.stdout, re.M), (check, out.stdout[-4000:])
+    assert "MFU" in out.stdout and "gpu_check: all passed" in out.stdout

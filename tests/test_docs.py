@@ -41,6 +41,10 @@ COVERED: dict[str, str] = {
     "python benchmarks/compare.py --model gpt --nproc 4 --systems meshzero,fsdp2,deepspeed "
     "--stages 3 --offload none --steps 5 --warmup 2 --bf16 --write-results":
         "not run: minutes-long, as above",
+    "bash benchmarks/gpu_check.sh": "not run: needs a GPU; its dry run is "
+    "tests/test_benchmarks.py::test_gpu_check_dry_run_passes_on_cpu",
+    "bash benchmarks/gpu_check.sh --dry-run":
+        "tests/test_benchmarks.py::test_gpu_check_dry_run_passes_on_cpu (slow set)",
     "python benchmarks/compare.py --systems meshzero,fsdp2 --steps 2 --warmup 1 --tiny":
         "tests/test_benchmarks.py::test_compare_runs_and_prints_a_row_per_system_and_stage",
     "meshzero estimate meshzero.demo.gpt:GPT --gpus-per-node 4 --gpu-memory 16GB --stage 3 "

@@ -14,7 +14,9 @@ result:
                stage 0  all-reduce 2 psi (gradient dtype)
                stage 1  reduce-scatter psi (gradients) + all-gather psi (compute dtype)
                stage 2  as stage 1, the reduce-scatter every micro-step
-               stage 3  per micro-step 2 all-gathers psi + 1 reduce-scatter psi
+               stage 3  per micro-step all-gathers of 2 psi - psi_kept (the units kept
+                        from forward into backward, zero/gather_plan.py) + 1
+                        reduce-scatter psi
     offload  = PCIe copies of the gradient and parameter shards, the host optimizer step
                (cpu_adam_rate per node) and NVMe reads and writes (nvme_bw per node)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from meshzero.estimate.settings import Settings
+from meshzero.zero.gather_plan import nested_orders, plan_reuse
 from meshzero.zero.offload.nvme_io import CUT, TilePlanner
 from meshzero.zero.state import CATEGORIES, TIERS
 from meshzero.zero.units import GroupLayout, Layout
@@ -31,6 +32,20 @@ from meshzero.zero.units import GroupLayout, Layout
 Report = dict[str, dict[str, int]]
 # memory_report()'s keys (less gathered_params_peak): the model states and the NVMe tiles
 REPORT_KEYS = (*CATEGORIES, "offload_buffers")
+
+
+def reuse_kept(layout: Layout, s: Settings, forward_order: list[int] | None = None
+               ) -> frozenset[int]:
+    """Stage 3: the units the engine keeps gathered from forward into backward
+    (zero/gather_plan.py), for the forward order ``forward_order`` (default: unit order)."""
+    if s.stage != 3:
+        return frozenset()
+    numel = [sum(g.padded_numel for g in u.groups if not g.persistent) for u in layout.units]
+    order = forward_order if forward_order is not None else range(len(numel))
+    order = [u for u in order if numel[u] > 0]
+    release, backward = nested_orders(order, [u.path for u in layout.units])
+    return plan_reuse(order, backward, numel, release, max_reuse_distance=s.max_reuse_distance,
+                      max_live_parameters=s.max_live_parameters)
 
 
 def empty_report() -> Report:
@@ -169,16 +184,20 @@ class ModelStates:
         order = forward_order if forward_order is not None else range(len(numel))
         order = [u for u in order if numel[u] > 0]
         paths = [u.path for u in self.layout.units]
+        reused = reuse_kept(self.layout, self.settings, order)
         peak = 0
         # Backward runs the units in reverse; a unit is released when its gradients are all
         # accumulated, which autograd does (AccumulateGrad first) before the next unit starts,
         # so only after its last use. In forward a unit used again within
-        # stage3_max_reuse_distance elements stays gathered until then.
+        # stage3_max_reuse_distance elements stays gathered until then; the units of the
+        # reuse plan stay gathered from their last forward use to their last backward use.
         for seq, backward in ((order, False), (order[::-1], True)):
             kept = self._kept(seq, numel, backward)
+            last = {u: i for i, u in enumerate(seq)}
             for pos, unit in enumerate(seq):
                 live = {a for a in _ancestors(paths, unit) if numel[a] > 0} | {unit}
                 live |= {seq[i] for i, (lo, hi) in kept.items() if lo < pos <= hi}
+                live |= {u for u in reused if (pos <= last[u]) == backward}
                 live |= self._prefetched(seq, pos, live, numel)
                 peak = max(peak, sum(numel[u] for u in live))
         return peak * self.settings.compute_bytes

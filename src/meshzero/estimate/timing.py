@@ -8,19 +8,25 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from meshzero.estimate.settings import Cluster, Settings
+from meshzero.estimate.states import reuse_kept
 
 if TYPE_CHECKING:
     from meshzero.estimate.plan import Assumptions
 
 
 def communication_bytes(layout, s: Settings) -> float:
-    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count)."""
+    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count).
+    Stage 3 gathers a sharded group in every forward and again in every backward, unless its
+    unit is kept gathered into backward (zero/gather_plan.py): then once per micro-step."""
     n = layout.num_shards
     ring = (n - 1) / n
     total = 0.0
+    kept = reuse_kept(layout, s)
     for g in layout.groups():
         sharded = s.stage == 3 and not g.persistent
-        gathers = 2 * s.grad_accum if sharded else (1 if s.stage >= 1 and g.requires_grad else 0)
+        per_micro = 1 if g.unit in kept else 2
+        gathers = per_micro * s.grad_accum if sharded else (
+            1 if s.stage >= 1 and g.requires_grad else 0)
         total += gathers * g.padded_numel * s.compute_bytes
         if g.requires_grad:
             if s.stage == 0:
@@ -33,6 +39,10 @@ def communication_bytes(layout, s: Settings) -> float:
 
 def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
     owned = sum(g.shard_numel for g in layout.groups() if g.requires_grad)
+    kept = reuse_kept(layout, s)
+    # shards moved to the device per micro-step: one per gather (zero/gather_plan.py)
+    moved = sum(g.shard_numel * (1 if g.unit in kept else 2) for g in layout.groups()
+                if s.stage == 3 and not g.persistent)
     sharded = sum(g.shard_numel for g in layout.groups()
                   if s.stage == 3 and not g.persistent)
     per_rank_nvme = a.nvme_bw / c.gpus_per_node
@@ -44,9 +54,9 @@ def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
     if s.offload_optimizer == "nvme":  # read and write master + states per step
         out += 2 * owned * (4 + s.state_bytes_per_element) / per_rank_nvme
     if s.offload_param != "none":  # shards to the device for forward and backward
-        out += 2 * s.grad_accum * sharded * s.compute_bytes / a.pcie_bw
+        out += s.grad_accum * moved * s.compute_bytes / a.pcie_bw
     if s.offload_param == "nvme":
-        out += (2 * s.grad_accum + 1) * sharded * s.compute_bytes / per_rank_nvme
+        out += (s.grad_accum * moved + sharded) * s.compute_bytes / per_rank_nvme
     return out
 
 

@@ -8,7 +8,12 @@ Buffers of a group with padded size P = N*S and owned range [lo, hi):
     master   (hi-lo,)   fp32 truth the optimizer steps; a view of full/shard in fp32 training.
     grad     (hi-lo,)   gradient of the owned range (a view of grad_full at stages 0-1).
     grad_full (P,)      gradient accumulation buffer; persistent at stages 0-1, transient
-                        (one micro-step) at stages 2-3.
+                        (one micro-step) at stages 2-3. The transient one is taken
+                        uninitialised (from a :class:`TransientPool` when one is attached):
+                        a parameter's first gradient is copied in, later ones added, and
+                        what no gradient reached (unused parameters, padding) is zeroed only
+                        when the buffer is reduced: no zero-fill pass, and no fresh pages
+                        per unit per step when the pool has a buffer of the size.
 
 Both gradient buffers are in the tier's gradient dtype (data_types.grad_accum_dtype: by
 default the compute dtype, so bf16 training holds the ZeRO paper's 2-byte gradients).
@@ -41,6 +46,24 @@ def free_storage(t: torch.Tensor) -> None:
 def alloc_storage(t: torch.Tensor) -> None:
     """Give ``t`` back its memory (uninitialised); views see the same storage again."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class TransientPool:
+    """Released transient gradient buffers, by (numel, dtype, device), for the next unit of
+    the same size in the same backward (cleared at its end: nothing is held at rest)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        spare = self.free.get((numel, dtype, device))
+        return spare.pop() if spare else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        self.free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+
+    def clear(self) -> None:
+        self.free.clear()
 
 
 class FlatGroup:
@@ -86,6 +109,8 @@ class FlatGroup:
         self.master: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
+        self.transient_pool: TransientPool | None = None  # set by the gradient reducer
+        self._written: list[bool] | None = None  # transient buffer: slots holding a gradient
         if self.trainable:
             self.master = tier.master(self, init[self.owned[0]:self.owned[1]])
             if stage <= 1:  # the accumulation buffer persists over micro-steps
@@ -122,16 +147,41 @@ class FlatGroup:
 
     # -- gradients ---------------------------------------------------------------------------
     def grad_target(self) -> torch.Tensor:
-        """The buffer backward accumulates into (allocated zeroed on first use at stages 2-3)."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.tier.grad_dtype,
-                                         device=self.full.device)
+        """The complete gradient buffer, to reduce (stages 2-3: a transient buffer, with what
+        no gradient reached zeroed now; all zeros if none did)."""
+        full = self._grad_buffer()
+        written = self._written
+        if written is not None:
+            self._written = None
+            with torch.no_grad():
+                end = 0
+                for slot, done in zip(self.layout.slots, written, strict=True):
+                    if not done:
+                        full[slot.offset:slot.offset + slot.numel].zero_()
+                    end = slot.offset + slot.numel
+                full[end:].zero_()  # padding
+        return full
+
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_full is None:  # stages 2-3: transient, uninitialised
+            n, device = self.layout.padded_numel, self.full.device
+            pool = self.transient_pool
+            self.grad_full = (pool.take(n, self.tier.grad_dtype, device) if pool is not None
+                              else torch.empty(n, dtype=self.tier.grad_dtype, device=device))
+            self._written = [False] * len(self.layout.slots)
         return self.grad_full
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into its slice of the flat gradient buffer."""
+        """Add one parameter's gradient into its slice of the flat gradient buffer (copy it
+        there if it is the first since the transient buffer was taken)."""
         slot = self.layout.slots[index]
-        self.grad_target()[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        part = self._grad_buffer()[slot.offset:slot.offset + slot.numel]
+        written = self._written
+        if written is not None and not written[index]:
+            part.copy_(grad.reshape(-1))
+            written[index] = True
+        else:
+            part.add_(grad.reshape(-1))
 
     def take_reduced_grad(self, out: torch.Tensor, accumulate: bool) -> None:
         """The reduced gradient of the owned range, to wherever the tier keeps it.
@@ -140,11 +190,15 @@ class FlatGroup:
 
     def drop_transient_grad(self) -> None:
         if self.stage >= 2:
+            if self.grad_full is not None and self.transient_pool is not None:
+                self.transient_pool.give(self.grad_full)
             self.grad_full = None
+            self._written = None
 
     def zero_grad(self) -> None:
         if self.grad_full is not None:
             self.grad_full.zero_()
+            self._written = None  # all of it zero now: later gradients add
         if self.grad is not None:
             self.grad.zero_()
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from meshzero.comm import Communicator, Handle
-from meshzero.zero.flat_buffer import FlatGroup
+from meshzero.zero.flat_buffer import FlatGroup, TransientPool
 
 
 class GradientReducer:
@@ -63,6 +63,12 @@ class GradientReducer:
         self._reduce_now = False
         self._set_aside: list[tuple[FlatGroup, torch.Tensor]] = []
         self._add_to_reduced: set[int] = set()
+        # stages 2-3: a unit's transient gradient buffer goes back to the pool once reduced,
+        # for the next unit of the same size (fewer fresh pages per step)
+        self.pool = TransientPool()
+        for groups in units:
+            for g in groups:
+                g.transient_pool = self.pool
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(u, g, i))
@@ -83,6 +89,8 @@ class GradientReducer:
             if not self.enabled:
                 return
             assert param.grad is not None  # the hook runs after the gradient is accumulated
+            if self.remaining[unit] == self.num_trainable[unit]:
+                self._finish_completed()  # the unit's first gradient: free buffers first
             with torch.no_grad():
                 group.accumulate(index, param.grad)
             param.grad = None
@@ -155,7 +163,13 @@ class GradientReducer:
                 g.grad.add_(reduced)
         self._set_aside.clear()
         self._add_to_reduced.clear()
+        self.pool.clear()
         self._reset()
+
+    def _finish_completed(self) -> None:
+        """Finish the reductions at the head of the queue that are already done (no wait)."""
+        while self.inflight and self.inflight[0][0].completed():
+            self._finish_oldest()
 
     def drain(self) -> None:
         while self.inflight:

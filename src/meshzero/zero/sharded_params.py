@@ -17,17 +17,24 @@ Uses outside these hooks (zero/param_access.py) gather a unit on demand and make
 kept until the end of backward or the next step. So is a unit whose output views its own
 parameters (a block returning its bias). A unit running inside itself (recursion) is released
 only when its outermost call returns. Before every all-gather the ranks exchange the unit
-index, so ranks that run different units (rank-dependent control flow) fail naming both.
+index, so ranks that run different units (rank-dependent control flow) fail naming both. The
+exchange runs over a process group of its own: on the data group it would queue behind the
+gathers and reductions in flight (gloo runs a group's ops in order) and wait for them all.
+
+Reuse (zero/gather_plan.py): from the second step, the units of the plan's kept set are not
+released after their last forward use; their backward finds them gathered.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from meshzero.comm import Communicator, Handle
+from meshzero.comm import Communicator, Handle, all_gather_objects
 from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
+from meshzero.zero.gather_plan import plan_reuse
 from meshzero.zero.param_access import (
     SavedParameterHooks,
     forget_dead,
@@ -39,6 +46,21 @@ from meshzero.zero.param_access import (
 
 class GatherOrderError(RuntimeError):
     """Stage 3: the ranks gathered different units at the same point of the step."""
+
+
+def order_check_communicator(comm: Communicator) -> Communicator | None:
+    """A communicator over ``comm``'s ranks on a process group of its own, for the unit-order
+    check (counted as ``order_check`` under ``comm``'s name); None for one rank."""
+    if comm.size == 1 or comm.group is None:
+        return None
+    # new_group is collective over the world, every rank naming the same ranks in the same
+    # order: learn every rank's group first (a tp or MiCS mesh has several)
+    mine = tuple(dist.get_process_group_ranks(comm.group))
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in all_gather_objects(mine, dist.group.WORLD):
+        if tuple(ranks) not in groups:
+            groups[tuple(ranks)] = dist.new_group(list(ranks))
+    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node)
 
 
 class GatheredMemory:
@@ -95,6 +117,9 @@ class ParameterSharder:
         self.gathered = [False] * len(self.units)
         self.fwd_order: list[int] = []
         self.bwd_order: list[int] = []
+        self.release_pos: dict[int, int] = {}  # unit -> fwd_pos at its last post-forward
+        self.kept: frozenset[int] = frozenset()  # kept gathered into backward (the plan)
+        self.check_comm = order_check_communicator(comm)
         self.recording = True
         self.in_backward = False
         self.fwd_pos = 0
@@ -120,13 +145,22 @@ class ParameterSharder:
     # -- gather / release -------------------------------------------------------------------
     def gather_parameters(self, unit: int) -> None:
         """Issue the all-gathers of ``unit`` (no wait). A no-op if gathered or in flight."""
-        if self.gathered[unit] or unit in self.pending:
+        self._gather_units([unit])
+
+    def _gather_units(self, units: list[int]) -> None:
+        """Issue the all-gathers of ``units`` in this order, after one order check for all."""
+        fresh = [u for u in dict.fromkeys(units) if not self.gathered[u] and u not in self.pending]
+        if not fresh:
             return
+        self._check_order(fresh)
+        for u in fresh:
+            self._issue_gather(u)
+
+    def _issue_gather(self, unit: int) -> None:
         handles = []
         secondary = self.secondary.pop(unit, None)
         comm = self.comm if secondary is None else self.secondary_comm
         assert comm is not None  # secondary shards are kept only with a secondary communicator
-        self._check_order(unit, comm)
         for i, g in enumerate(self.units[unit]):
             alloc_storage(g.full)
             self._unit_of_storage[g.full.untyped_storage().data_ptr()] = unit
@@ -138,25 +172,40 @@ class ParameterSharder:
                 handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
 
-    def _check_order(self, unit: int, comm: Communicator) -> None:
-        """Every rank must be gathering the same unit now. Checked before the data moves:
-        gloo aborts the process on an all-gather whose sizes differ between ranks, and equal
-        sizes would silently mix two units' weights."""
-        if comm.size == 1:
+    def _check_order(self, units: list[int]) -> None:
+        """Every rank must be gathering the same units now, in the same order. Checked before
+        the data moves: gloo aborts the process on an all-gather whose sizes differ between
+        ranks, and equal sizes would silently mix two units' weights. One exchange per call
+        (a hook's gather and its prefetches together): [count, units..., -1 padding], the
+        same size on every rank. (hpZ's secondary gathers are checked over every
+        data-parallel rank too: all of them gather the same units at once.)"""
+        comm = self.check_comm
+        if comm is None:
             return
-        every = torch.empty(comm.size, dtype=torch.int64, device=self.device)
-        mine = torch.full((1,), unit, dtype=torch.int64, device=self.device)
-        comm.all_gather(every, mine, op="order_check").wait()
-        units = every.tolist()
-        other = next((r for r, u in enumerate(units) if u != unit), None)
-        if other is not None:
-            raise GatherOrderError(
-                f"stage 3: rank {comm.rank} is gathering unit {unit} "
-                f"({self.unit_names[unit]!r}) while rank {other} is gathering unit "
-                f"{units[other]} ({self.unit_names[units[other]]!r}); every rank must run the "
-                "same units in the same order (rank-dependent control flow, e.g. skipping an "
-                "expert that got no tokens, or a parameter used on one rank only). Run every "
-                "module on every rank (an expert on an empty batch is fine), or use stage 0-2")
+        n = len(self.units) + 1
+        mine = torch.full((n,), -1, dtype=torch.int64)
+        mine[0] = len(units)
+        mine[1:1 + len(units)] = torch.tensor(units, dtype=torch.int64)
+        every = torch.empty(comm.size * n, dtype=torch.int64, device=self.device)
+        comm.all_gather(every, mine.to(self.device), op="order_check").wait()
+        rows = every.view(comm.size, n).tolist()
+        other = next((r for r, row in enumerate(rows) if row != rows[comm.rank]), None)
+        if other is None:
+            return
+        theirs = rows[other][1:1 + rows[other][0]]
+        i = next(i for i in range(len(units) + 1)
+                 if i == len(units) or i == len(theirs) or units[i] != theirs[i])
+        raise GatherOrderError(
+            f"stage 3: rank {comm.rank} is gathering {self._describe(units, i)} while rank "
+            f"{other} is gathering {self._describe(theirs, i)}; every rank must run the "
+            "same units in the same order (rank-dependent control flow, e.g. skipping an "
+            "expert that got no tokens, or a parameter used on one rank only). Run every "
+            "module on every rank (an expert on an empty batch is fine), or use stage 0-2")
+
+    def _describe(self, units: list[int], i: int) -> str:
+        if i >= len(units):
+            return "no further unit"
+        return f"unit {units[i]} ({self.unit_names[units[i]]!r})"
 
     def _keep_secondary(self, unit: int) -> None:
         """hpZ, after forward: keep this rank's 1/k of the gathered unit for backward."""
@@ -183,6 +232,8 @@ class ParameterSharder:
         if self.shard_source is None or self.recording:
             return
         for u in order[pos + 1:]:
+            if self.gathered[u] or u in self.pending:  # kept or prefetched: no read
+                continue
             for g in self.units[u]:
                 if not self.shard_source.prefetch_shard(g):
                     return
@@ -249,22 +300,35 @@ class ParameterSharder:
         return sum(self.numel[u] for u in range(len(self.units))
                    if self.gathered[u] or u in self.pending)
 
-    def _prefetch(self, order: list[int], pos: int) -> None:
-        """Gather the units after ``pos`` in ``order`` within the prefetch and live budgets.
-        Units already gathered or in flight ahead count against the prefetch budget too, so
-        at most ``prefetch_numel`` elements are ever fetched ahead of use."""
+    def _prefetch_list(self, order: list[int], pos: int, current: int) -> list[int]:
+        """The units after ``pos`` in ``order`` to gather ahead, within the prefetch and live
+        budgets (``current``, about to be gathered, counts as live). Units already gathered
+        or in flight ahead count against the prefetch budget too, so at most
+        ``prefetch_numel`` elements are ever fetched ahead of use."""
         budget = self.prefetch_numel
+        fresh = not self.gathered[current] and current not in self.pending
+        live = self._live_numel() + (self.numel[current] if fresh else 0)
+        out: list[int] = []
         for u in order[pos + 1:]:
             if u == order[pos]:
                 continue
             if self.numel[u] > budget:
-                return
+                break
             budget -= self.numel[u]
-            if self.gathered[u] or u in self.pending:
+            if self.gathered[u] or u in self.pending or u in out or u == current:
                 continue
-            if self._live_numel() + self.numel[u] > self.max_live_numel:
-                return
-            self.gather_parameters(u)
+            if live + self.numel[u] > self.max_live_numel:
+                break
+            live += self.numel[u]
+            out.append(u)
+        return out
+
+    def _gather_with_prefetch(self, unit: int, order: list[int], pos: int) -> None:
+        """A hook's gathers: ``unit`` (if not gathered) and, after the first step, the units
+        ahead in ``order``, issued after one order check, then wait for ``unit``."""
+        ahead = [] if self.recording else self._prefetch_list(order, pos, unit)
+        self._gather_units([unit, *ahead])
+        self.wait_parameters(unit)
 
     # -- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: int):
@@ -275,16 +339,16 @@ class ParameterSharder:
             if self.recording:
                 self.fwd_order.append(unit)
             self._read_ahead(self.fwd_order, self.fwd_pos)
-            self.wait_parameters(unit)
+            self._gather_with_prefetch(unit, self.fwd_order, self.fwd_pos)
             self.depth[unit] += 1
-            if not self.recording:
-                self._prefetch(self.fwd_order, self.fwd_pos)
             self.fwd_pos += 1
 
         return pre_forward
 
-    def _reused_soon(self, unit: int) -> bool:
-        """Whether ``unit`` runs again in this forward within max_reuse_distance elements."""
+    def _keep_gathered(self, unit: int) -> bool:
+        """Whether ``unit`` stays gathered after this forward use: it runs again in this
+        forward within max_reuse_distance elements, or this is its last forward use and the
+        reuse plan keeps it for backward (zero/gather_plan.py)."""
         if self.recording:
             return False
         distance = 0
@@ -292,7 +356,7 @@ class ParameterSharder:
             if u == unit:
                 return distance <= self.max_reuse_distance
             distance += self.numel[u]
-        return False
+        return unit in self.kept and torch.is_grad_enabled()
 
     def _make_post_forward(self, unit: int):
         def post_forward(module, args, output):
@@ -302,7 +366,9 @@ class ParameterSharder:
             tensors = output_tensors(output)
             if self._views_unit(unit, tensors):
                 self.sticky.add(unit)  # the caller computes with this unit's own storage
-            if not self._reused_soon(unit) and self.depth[unit] == 0 \
+            if self.recording and self.depth[unit] == 0:
+                self.release_pos[unit] = self.fwd_pos
+            if not self._keep_gathered(unit) and self.depth[unit] == 0 \
                     and unit not in self.sticky:
                 if self.secondary_comm is not None and torch.is_grad_enabled():
                     self.wait_parameters(unit)
@@ -326,9 +392,7 @@ class ParameterSharder:
             if self.recording:
                 self.bwd_order.append(unit)
             self._read_ahead(self.bwd_order, self.bwd_pos)
-            self.wait_parameters(unit)
-            if not self.recording:
-                self._prefetch(self.bwd_order, self.bwd_pos)
+            self._gather_with_prefetch(unit, self.bwd_order, self.bwd_pos)
             self.bwd_pos += 1
 
         return pre_backward
@@ -350,6 +414,10 @@ class ParameterSharder:
         for kept in self.secondary.values():  # units that had no backward
             self.memory.add(-sum(t.numel() * t.element_size() for t in kept))
         self.secondary.clear()
+        if self.recording:
+            self.kept = plan_reuse(self.fwd_order, self.bwd_order, self.numel, self.release_pos,
+                                   max_reuse_distance=self.max_reuse_distance,
+                                   max_live_parameters=self.max_live_numel)
         self.recording = False
         self.in_backward = False
 
@@ -357,6 +425,9 @@ class ParameterSharder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.check_comm is not None and self.check_comm.group is not None:
+            dist.destroy_process_group(self.check_comm.group)
+            self.check_comm = None
         for gs in self.units:
             for g in gs:
                 for p in g.params:

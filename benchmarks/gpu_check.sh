@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU (H200), within 8 minutes: the CUDA-relevant checks and the GPT at ZeRO-3 with CPU
+# offload, printing MFU. Installs nothing (the GPU machine reaches no network).
+#
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --dry-run  # anywhere: bash -n on this script, then the same
+#                                           # checks on CPU with tiny models (gloo)
+#
+# Checks (benchmarks/gpu_check.py): NCCL at world size 1 (ZeRO-3 fp32 equals plain torch),
+# bf16 (equals autocast within bf16 tolerance), pinned-memory CPU offload and NVMe offload of
+# optimizer and parameters with the overlapped host step (equal to no offload), and the
+# ~84 M GPT at ZeRO-3 + CPU offload, bf16: median step and MFU against 989 TFLOP/s (H200
+# dense bf16), FLOPs from meshzero's flops profiler. (The test suite has no CUDA-marked
+# tests: its distributed tests spawn gloo ranks on CPU, so these checks are the CUDA tests.)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+cd "$root"
+export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+budget="${GPU_CHECK_SECONDS:-450}"   # the whole run, under 8 minutes
+start=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - start) )); }
+
+dry=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry=1 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (use --dry-run or nothing)" >&2; exit 2 ;;
+  esac
+done
+
+bash -n "$0"
+echo "== gpu_check.sh: syntax ok; $(date -u +%FT%TZ) on $(hostname)"
+python - <<'PY'
+import torch
+cuda = torch.cuda.is_available()
+print(f"torch {torch.__version__}, cuda build {torch.version.cuda}, cuda available {cuda}")
+if cuda:
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {p.name}, {p.total_memory / 2**30:.0f} GiB, nccl {torch.cuda.nccl.version()}")
+PY
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
+
+status=0
+if [ "$dry" = 1 ]; then
+  echo "== dry run: the checks on CPU with tiny models"
+  timeout "$(left)" python benchmarks/gpu_check.py --device cpu --tiny --steps 2 || status=$?
+else
+  echo "== checks on the GPU"
+  timeout "$(left)" python benchmarks/gpu_check.py --device cuda || status=$?
+fi
+
+echo "== gpu_check.sh: exit $status after $(( $(date +%s) - start )) s"
+exit "$status"
