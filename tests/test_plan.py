@@ -52,14 +52,19 @@ def test_candidate_config_estimates_the_same(small_plan, tmp_path):
 
 
 def test_time_model():
-    """Communication per step: stage 0 and stages 1-2 2 psi (N-1)/N, stage 3 3 psi (N-1)/N
-    (fp32, no accumulation); compute from FLOPs counted on fake tensors."""
+    """Communication per step: stage 0 and stages 1-2 2 psi (N-1)/N; stage 3 2 psi (N-1)/N
+    under DeepSpeed's reuse defaults (every unit of the tiny GPT kept gathered from forward
+    into backward) and 3 psi (N-1)/N with reuse off (fp32, no accumulation); compute from
+    FLOPs counted on fake tensors."""
     est = estimate(tiny_gpt, cluster=SMALL, stage=3, persistence_threshold=0)
     from meshzero.estimate import Estimator, load_model, settings_from_config
 
     estimator = Estimator(load_model(tiny_gpt))
-    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
-        s = settings_from_config(None, 4, stage=stage, persistence_threshold=0)
+    no_reuse = {"zero_optimization": {"stage3_max_reuse_distance": 0,
+                                      "stage3_max_live_parameters": 0}}
+    for stage, config, factor in ((0, None, 2), (1, None, 2), (2, None, 2), (3, None, 2),
+                                  (3, no_reuse, 3)):
+        s = settings_from_config(config, 4, stage=stage, persistence_threshold=0)
         layout = estimator.states(s, 4).layout
         psi = sum(g.padded_numel for g in layout.groups())
         assert communication_bytes(layout, s) == pytest.approx(factor * psi * 4 * 3 / 4)
