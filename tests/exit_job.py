@@ -13,6 +13,7 @@ in host memory), ``nvme`` (+ both in NVMe files under ``--out``), ``tp`` (tensor
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -80,6 +81,21 @@ def train(engine, variant: str) -> None:
         engine.step()
 
 
+def gloo_threads() -> list[str]:
+    """Names of this process's threads that gloo started (Linux /proc)."""
+    task = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(task):
+        return []
+    names = []
+    for tid in os.listdir(task):
+        try:
+            with open(os.path.join(task, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [n for n in names if "gloo" in n]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", default="zero3",
@@ -104,6 +120,13 @@ def main() -> None:
         engine.close()
     if args.end in ("destroy", "close", "with"):
         dist.destroy_process_group()
+    if args.end in ("close", "with") and args.variant in ("zero3", "cpu", "nvme"):
+        # a closed engine holds no process group: the destroyed group is freed and gloo's
+        # threads are joined now, not while the interpreter exits (docs/lifecycle.md)
+        gc.collect()
+        left = gloo_threads()
+        if left:
+            raise SystemExit(f"exit_job: gloo threads still running after close: {left}")
     if int(os.environ.get("RANK", "0")) == 0:  # the work is done; what follows is the exit
         print("exit_job: done", flush=True)
 

@@ -215,6 +215,7 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         max_reuse_distance=zc.stage3_max_reuse_distance,
         offload=OffloadOptions.from_config(zc),
         grad_predivide=config.grad_predivide(topology.dp_size),
+        group_timeout=topology.timeout,
     )
     return ZeroModelState(model, comms.shard, topology.device, options,
                           materialize=materializer, secondary_comm=comms.hpz,

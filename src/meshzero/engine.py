@@ -49,16 +49,20 @@ def _counter(name: str) -> property:
                     doc=f"StepCounters.{name}")
 
 
-def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
+def release(stats: CommStats, zero: ZeroModelState, block: bool,
+            topology: Topology | None = None) -> None:
     """The end of an engine: wait for (``block``) or, after an error, only release the
-    collectives still in flight (a peer may never join them), then join the worker threads
-    and remove the files and hooks of ``zero``. Idempotent."""
+    collectives still in flight (a peer may never join them), then join the worker threads,
+    remove the files and hooks of ``zero`` and let go of the process groups. Idempotent."""
     if zero.closed:
         return
     try:
         left = stats.finish_pending(block=block)
     finally:
         zero.close()
+        stats.drop_groups()
+        if topology is not None:
+            topology.drop_groups()
     if left:
         logger.warning("closed with %d collective(s) still in flight (a rank failed or a "
                        "collective was never matched); they were not waited on", left)
@@ -123,7 +127,8 @@ class Engine(nn.Module):
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
-        self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)
+        self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False,
+                                           self.topology)
 
     # the step counters live in one StepCounters, which checkpoints save and restore
     global_steps = _counter("global_steps")
@@ -383,7 +388,7 @@ class Engine(nn.Module):
         (it may wait on collectives), or use ``with engine:``. Optional: what it releases is
         released at exit too (docs/lifecycle.md). Idempotent."""
         self._finalizer.detach()
-        release(self.comm_stats, self.zero, block=True)
+        release(self.comm_stats, self.zero, block=True, topology=self.topology)
         if self.monitor is not None:
             self.monitor.close()
 
@@ -393,7 +398,7 @@ class Engine(nn.Module):
     def __exit__(self, exc_type, exc, tb) -> None:
         # on an error a peer may never join a collective in flight: release, do not wait
         self._finalizer.detach()
-        release(self.comm_stats, self.zero, block=exc_type is None)
+        release(self.comm_stats, self.zero, block=exc_type is None, topology=self.topology)
         if self.monitor is not None:
             self.monitor.close()
 

@@ -72,6 +72,11 @@ class Topology:
     ranks_per_node: int = 1
     timeout: timedelta | None = None  # of every group made here (faults.comm_timeout)
 
+    def drop_groups(self) -> None:
+        """At the end of the engine: hold no process group any more (comm.CommStats.drop_groups
+        says why)."""
+        self.groups = dict.fromkeys(self.groups)
+
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 

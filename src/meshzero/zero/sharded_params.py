@@ -27,6 +27,8 @@ released after their last forward use; their backward finds them gathered.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,9 +50,11 @@ class GatherOrderError(RuntimeError):
     """Stage 3: the ranks gathered different units at the same point of the step."""
 
 
-def order_check_communicator(comm: Communicator) -> Communicator | None:
-    """A communicator over ``comm``'s ranks on a process group of its own, for the unit-order
-    check (counted as ``order_check`` under ``comm``'s name); None for one rank."""
+def order_check_communicator(comm: Communicator,
+                             timeout: timedelta | None = None) -> Communicator | None:
+    """A communicator over ``comm``'s ranks on a process group of its own (with ``timeout``,
+    faults.comm_timeout), for the unit-order check (counted as ``order_check`` under
+    ``comm``'s name); None for one rank."""
     if comm.size == 1 or comm.group is None:
         return None
     # new_group is collective over the world, every rank naming the same ranks in the same
@@ -59,7 +63,7 @@ def order_check_communicator(comm: Communicator) -> Communicator | None:
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in all_gather_objects(mine, dist.group.WORLD):
         if tuple(ranks) not in groups:
-            groups[tuple(ranks)] = dist.new_group(list(ranks))
+            groups[tuple(ranks)] = dist.new_group(list(ranks), timeout=timeout)
     return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node)
 
 
@@ -95,6 +99,7 @@ class ParameterSharder:
         shard_source=None,
         secondary_comm: Communicator | None = None,
         unit_names: list[str] | None = None,
+        group_timeout: timedelta | None = None,
     ):
         """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
         returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
@@ -119,7 +124,7 @@ class ParameterSharder:
         self.bwd_order: list[int] = []
         self.release_pos: dict[int, int] = {}  # unit -> fwd_pos at its last post-forward
         self.kept: frozenset[int] = frozenset()  # kept gathered into backward (the plan)
-        self.check_comm = order_check_communicator(comm)
+        self.check_comm = order_check_communicator(comm, group_timeout)
         self.recording = True
         self.in_backward = False
         self.fwd_pos = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -50,6 +51,8 @@ class ZeroOptions:
     # gradients are held, accumulated and reduced in this dtype (data_types.grad_accum_dtype);
     # the fp32 master is stepped on them converted a chunk at a time (zero/offload/stepping.py)
     grad_dtype: torch.dtype = torch.float32
+    # of the process groups ZeRO makes itself (the unit-order check's): faults.comm_timeout
+    group_timeout: timedelta | None = None
 
 
 class ZeroModelState:
@@ -90,6 +93,7 @@ class ZeroModelState:
                 self.memory, prefetch_numel=options.prefetch_numel,
                 max_live_numel=options.max_live_numel,
                 max_reuse_distance=options.max_reuse_distance,
+                group_timeout=options.group_timeout,
                 shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
                 unit_names=[u.path or "<root>" for u in self.layout.units],
             )
