@@ -120,7 +120,7 @@ def main() -> None:
         engine.close()
     if args.end in ("destroy", "close", "with"):
         dist.destroy_process_group()
-    if args.end in ("close", "with") and args.variant in ("zero3", "cpu", "nvme"):
+    if args.end in ("close", "with") and args.variant in ("zero3", "cpu", "nvme", "pp"):
         # a closed engine holds no process group: the destroyed group is freed and gloo's
         # threads are joined now, not while the interpreter exits (docs/lifecycle.md)
         gc.collect()

@@ -123,16 +123,16 @@ class CommStats:
     step: int | None = None  # the optimizer step under way (None: initialize), for errors
     # ops issued and not waited on yet, by id(handle); a Handle removes itself on wait
     pending: dict[int, Handle] = field(default_factory=dict)
-    # every Communicator counting here: :meth:`drop_groups` lets go of their process groups
-    communicators: list[Communicator] = field(default_factory=list, repr=False)
+    # what holds the engine's process groups (every Communicator counting here, the mesh,
+    # the pipeline): objects with a drop_groups() method
+    group_holders: list[Any] = field(default_factory=list, repr=False)
 
     def drop_groups(self) -> None:
-        """At the end of an engine: no Communicator of it holds a process group any more, so
-        a group the user destroyed is freed (and gloo's threads joined) now, not during
-        interpreter exit, where a thread still running can abort the process."""
-        for comm in self.communicators:
-            comm.group = None
-            comm.closed = True
+        """At the end of an engine: nothing of it holds a process group any more, so a group
+        the user destroyed is freed (and gloo's threads joined) now, not during interpreter
+        exit, where a thread still running can abort the process (docs/lifecycle.md)."""
+        for holder in self.group_holders:
+            holder.drop_groups()
 
     def finish_pending(self, block: bool = True) -> int:
         """Wait for every op not waited on yet (``block``), or (not ``block``: at exit after
@@ -267,7 +267,11 @@ class Communicator:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.async_ops = async_ops  # overlap_comm: False waits on every op at once
         self.closed = False  # CommStats.drop_groups: the engine was closed
-        stats.communicators.append(self)
+        stats.group_holders.append(self)
+
+    def drop_groups(self) -> None:
+        self.group = None
+        self.closed = True
 
     def _launch(self, op: str, nbytes: int, fn, *buffers) -> Handle:
         if self.closed:

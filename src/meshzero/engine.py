@@ -49,11 +49,9 @@ def _counter(name: str) -> property:
                     doc=f"StepCounters.{name}")
 
 
-def release(stats: CommStats, zero: ZeroModelState, block: bool,
-            topology: Topology | None = None) -> None:
-    """The end of an engine: wait for (``block``) or, after an error, only release the
-    collectives still in flight (a peer may never join them), then join the worker threads,
-    remove the files and hooks of ``zero`` and let go of the process groups. Idempotent."""
+def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
+    """The end of an engine: wait for (``block``; not after an error: a peer may never join)
+    the collectives in flight, close ``zero``, let go of the process groups. Idempotent."""
     if zero.closed:
         return
     try:
@@ -61,8 +59,6 @@ def release(stats: CommStats, zero: ZeroModelState, block: bool,
     finally:
         zero.close()
         stats.drop_groups()
-        if topology is not None:
-            topology.drop_groups()
     if left:
         logger.warning("closed with %d collective(s) still in flight (a rank failed or a "
                        "collective was never matched); they were not waited on", left)
@@ -98,6 +94,7 @@ class Engine(nn.Module):
         self.monitor = Monitor.from_config(config, built.topology.rank)
         self._log_accepted(config)
         self.comm_stats = built.comms.stats
+        self.comm_stats.group_holders += [h for h in (built.topology, built.pipeline) if h]
         self.dp_comm = built.comms.dp
         self.comm, self.replica_comm = built.comms.shard, built.comms.replica
         self.module = built.module
@@ -127,8 +124,7 @@ class Engine(nn.Module):
         self.last_profile: ProfileReport | None = None  # the report of the profiled step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
-        self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False,
-                                           self.topology)
+        self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)
 
     # the step counters live in one StepCounters, which checkpoints save and restore
     global_steps = _counter("global_steps")
@@ -388,7 +384,7 @@ class Engine(nn.Module):
         (it may wait on collectives), or use ``with engine:``. Optional: what it releases is
         released at exit too (docs/lifecycle.md). Idempotent."""
         self._finalizer.detach()
-        release(self.comm_stats, self.zero, block=True, topology=self.topology)
+        release(self.comm_stats, self.zero, block=True)
         if self.monitor is not None:
             self.monitor.close()
 
@@ -398,7 +394,7 @@ class Engine(nn.Module):
     def __exit__(self, exc_type, exc, tb) -> None:
         # on an error a peer may never join a collective in flight: release, do not wait
         self._finalizer.detach()
-        release(self.comm_stats, self.zero, block=exc_type is None, topology=self.topology)
+        release(self.comm_stats, self.zero, block=exc_type is None)
         if self.monitor is not None:
             self.monitor.close()
 

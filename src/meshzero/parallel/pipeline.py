@@ -196,6 +196,10 @@ class Pipeline:
         stages = self.stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else self.stages
         self.schedule = cls(stages, micro_batches, loss_fn=self._scaled_loss, scale_grads=False)
 
+    def drop_groups(self) -> None:
+        """The engine closed: hold the pp group no more (comm.CommStats.drop_groups)."""
+        del self.pp_group, self.stages, self.schedule
+
     def _scaled_loss(self, output: object, target: torch.Tensor) -> torch.Tensor:
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach())
