@@ -204,9 +204,12 @@ class Handle:
 
     def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,
                  pending: dict[int, Handle] | None, *buffers,
-                 describe: tuple[str, str, str] | None = None):
-        """``describe``: (op, group, where) for the error if the wait fails."""
+                 describe: tuple[str, str, str] | None = None,
+                 then: Callable[[], object] | None = None):
+        """``describe``: (op, group, where) for the error if the wait fails. ``then``: run
+        on the waiting thread once the op has completed (part of the op: its exposed time)."""
         self._work = work
+        self._then = then
         self._describe = describe
         self._stats = stats
         self._issued = issued
@@ -225,6 +228,8 @@ class Handle:
             t0 = time.perf_counter()
             done_before = self._work.is_completed()
             self._wait_named()
+            if self._then is not None:
+                self._then()
             # completed before the wait: it ended by t0 and nothing was exposed; else it
             # ended as the wait returned
             t1 = t0 if done_before else time.perf_counter()
@@ -232,6 +237,7 @@ class Handle:
             self._stats.intervals.append((self._issued, t1))
         self._work = None
         self._buffers = None
+        self._then = None
         if self._pending is not None:
             self._pending.pop(id(self), None)
             self._pending = None
@@ -266,6 +272,7 @@ class Communicator:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.async_ops = async_ops  # overlap_comm: False waits on every op at once
+        self.gloo = group is not None and dist.get_backend(group) == "gloo"
         self.closed = False  # CommStats.drop_groups: the engine was closed
         stats.group_holders.append(self)
 
@@ -273,7 +280,8 @@ class Communicator:
         self.group = None
         self.closed = True
 
-    def _launch(self, op: str, nbytes: int, fn, *buffers) -> Handle:
+    def _launch(self, op: str, nbytes: int, fn, *buffers,
+                then: Callable[[], object] | None = None) -> Handle:
         if self.closed:
             raise RuntimeError(f"{op} over group {self.name}: this engine was closed")
         stats = self.stats.get(self.name, op, self.inter_node)
@@ -286,7 +294,8 @@ class Communicator:
         describe = (op, self.name, where_in_training(self.stats.step, self.stats.phase))
         with failure_named(*describe):  # gloo may fail at issue too
             work = fn(self.group)
-        handle = Handle(work, stats, issued, self.stats.pending, *buffers, describe=describe)
+        handle = Handle(work, stats, issued, self.stats.pending, *buffers, describe=describe,
+                        then=then)
         if not self.async_ops:
             handle.wait()
         return handle
@@ -305,9 +314,25 @@ class Communicator:
 
         return self._launch(op, nbytes, run, output, shard)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> Handle:
-        """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,))."""
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor,
+                       scratch: bool = False) -> Handle:
+        """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,)).
+
+        ``scratch``: the caller reads ``full`` no more (its contents may be overwritten).
+        gloo's reduce-scatter is an all-reduce of a copy of ``full`` that it makes at issue,
+        on the calling thread (about half the op's time, which then stalls backward), and
+        this rank's slice copied out at the wait; with a CPU ``full`` that is scratch, the
+        same all-reduce runs in place instead, without the copy. Counted as the
+        reduce-scatter all the same (bytes are the ring algorithm's, see the module doc)."""
         nbytes = ring_bytes("reduce_scatter", _size(full), self.size)
+        if scratch and self.gloo and self.size > 1 and full.device.type == "cpu":
+            mine = full[self.rank * shard.numel():(self.rank + 1) * shard.numel()]
+
+            def in_place(group):
+                return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+            return self._launch("reduce_scatter", nbytes, in_place, shard, full,
+                                then=lambda: shard.copy_(mine))
 
         def run(group):
             if group is None:

@@ -211,7 +211,8 @@ class GradientReducer:
                   and send.dtype == group.grad.dtype and send.device == group.grad.device)
         out = (group.grad if direct and group.grad is not None
                else torch.empty_like(send[: group.layout.shard_numel]))
-        handle = self.comm.reduce_scatter(out, send)
+        # stages 2-3 drop the transient buffer once reduced; a converted copy is ours too
+        handle = self.comm.reduce_scatter(out, send, scratch=self.stage >= 2 or send is not src)
         accumulate = (self.stage >= 2 and not self.grads_are_zero) or \
             id(group) in self._add_to_reduced
 
