@@ -1,6 +1,6 @@
-"""Communicator.reduce_scatter on gloo: the in-place path for a scratch input (an all-reduce
-of the caller's own buffer, this rank's slice copied out at the wait) gives the same shard
-and the same counts as gloo's reduce-scatter, and leaves a non-scratch input untouched."""
+"""Communicator.reduce_scatter on gloo over CPU goes by an all-to-all and a local sum (gloo's
+own reduce-scatter all-reduces a copy of the input made on the calling thread): the same
+shard as gloo's reduce-scatter, the same counts and bytes, and the input left as it was."""
 
 from __future__ import annotations
 
@@ -15,33 +15,37 @@ SHARD = 6
 
 
 def _reduce(rank: int, world: int, async_ops: bool) -> dict:
-    out = {}
-    for scratch in (False, True):
+    # integer-valued floats: every summation order gives the same bits
+    full = torch.arange(world * SHARD, dtype=torch.float32) * (rank + 1)
+    before = full.clone()
+    gloo_shard = torch.empty(SHARD)
+    dist.reduce_scatter_tensor(gloo_shard, full.clone())
+    out: dict = {"gloo": gloo_shard}
+    for name, workspace in (("fresh", None), ("given", torch.full_like(full, 7.0))):
         stats = CommStats()
         comm = Communicator(dist.group.WORLD, "dp", stats, async_ops=async_ops)
-        # integer-valued floats: every summation order gives the same bits
-        full = torch.arange(world * SHARD, dtype=torch.float32) * (rank + 1)
-        before = full.clone()
         shard = torch.full((SHARD,), -1.0)
-        handle = comm.reduce_scatter(shard, full, scratch=scratch)
-        handle.wait()
-        assert not stats.pending
+        comm.reduce_scatter(shard, full, workspace).wait()
         op = stats.by_op()["reduce_scatter"]
-        out[scratch] = {"shard": shard, "count": op["count"], "bytes": op["bytes"],
-                        "untouched": torch.equal(full, before)}
+        out[name] = {"shard": shard, "count": op["count"], "bytes": op["bytes"],
+                     "pending": len(stats.pending), "by_all_to_all":
+                     comm.reduces_by_all_to_all(full)}
+    out["untouched"] = torch.equal(full, before)
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("async_ops", [True, False])
-def test_scratch_reduce_scatter_matches_gloo(tmp_path, world_size, async_ops):
+def test_reduce_scatter_by_all_to_all_matches_gloo(tmp_path, world_size, async_ops):
     results = run_distributed(_reduce, world_size, tmp_path, async_ops)
     ranks_sum = sum(range(1, world_size + 1))
     for rank, res in enumerate(results):
         want = torch.arange(rank * SHARD, (rank + 1) * SHARD, dtype=torch.float32) * ranks_sum
-        for scratch in (False, True):
-            assert torch.equal(res[scratch]["shard"], want), (rank, scratch)
-            assert res[scratch]["count"] == 1
-            assert res[scratch]["bytes"] == world_size * SHARD * 4 * (world_size - 1) // world_size
-        assert res[False]["untouched"]  # the plain path never writes the caller's input
-        assert not res[True]["untouched"]  # the scratch one did run in place
+        assert torch.equal(res["gloo"], want)
+        for name in ("fresh", "given"):
+            got = res[name]
+            assert got["by_all_to_all"]
+            assert torch.equal(got["shard"], want), (rank, name)
+            assert (got["count"], got["pending"]) == (1, 0)
+            assert got["bytes"] == world_size * SHARD * 4 * (world_size - 1) // world_size
+        assert res["untouched"]

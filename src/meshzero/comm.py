@@ -314,25 +314,30 @@ class Communicator:
 
         return self._launch(op, nbytes, run, output, shard)
 
+    def reduces_by_all_to_all(self, full: torch.Tensor) -> bool:
+        """Whether :meth:`reduce_scatter` of ``full`` goes by an all-to-all (gloo, CPU)."""
+        return self.gloo and self.size > 1 and full.device.type == "cpu"
+
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor,
-                       scratch: bool = False) -> Handle:
+                       workspace: torch.Tensor | None = None) -> Handle:
         """``shard`` (S,) <- sum over ranks of ``full[r*S:(r+1)*S]`` (``full``: (N*S,)).
 
-        ``scratch``: the caller reads ``full`` no more (its contents may be overwritten).
-        gloo's reduce-scatter is an all-reduce of a copy of ``full`` that it makes at issue,
-        on the calling thread (about half the op's time, which then stalls backward), and
-        this rank's slice copied out at the wait; with a CPU ``full`` that is scratch, the
-        same all-reduce runs in place instead, without the copy. Counted as the
-        reduce-scatter all the same (bytes are the ring algorithm's, see the module doc)."""
+        On gloo over CPU (:meth:`reduces_by_all_to_all`) it is an all-to-all that brings
+        every rank's slice for this rank into ``workspace`` (``full``'s size and dtype; a
+        fresh one when None), summed into ``shard`` at the wait: gloo's own reduce-scatter
+        copies ``full`` on the calling thread at issue (about half the op's time, stalling
+        backward) and all-reduces the copy, sending twice the bytes. The all-to-all sends
+        ``B (N-1)/N``, the ring reduce-scatter's count, and leaves ``full`` as it was."""
         nbytes = ring_bytes("reduce_scatter", _size(full), self.size)
-        if scratch and self.gloo and self.size > 1 and full.device.type == "cpu":
-            mine = full[self.rank * shard.numel():(self.rank + 1) * shard.numel()]
+        if self.reduces_by_all_to_all(full):
+            recv = torch.empty_like(full) if workspace is None else workspace
+            rows = recv.view(self.size, shard.numel())
 
-            def in_place(group):
-                return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            def exchange(group):
+                return dist.all_to_all_single(recv, full, group=group, async_op=True)
 
-            return self._launch("reduce_scatter", nbytes, in_place, shard, full,
-                                then=lambda: shard.copy_(mine))
+            return self._launch("reduce_scatter", nbytes, exchange, shard, full, recv,
+                                then=lambda: torch.sum(rows, 0, out=shard))
 
         def run(group):
             if group is None:

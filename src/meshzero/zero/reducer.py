@@ -211,8 +211,10 @@ class GradientReducer:
                   and send.dtype == group.grad.dtype and send.device == group.grad.device)
         out = (group.grad if direct and group.grad is not None
                else torch.empty_like(send[: group.layout.shard_numel]))
-        # stages 2-3 drop the transient buffer once reduced; a converted copy is ours too
-        handle = self.comm.reduce_scatter(out, send, scratch=self.stage >= 2 or send is not src)
+        # gloo on CPU receives every rank's slice for this rank into a buffer of send's size
+        work = (self.pool.take(send.numel(), send.dtype, send.device)
+                if self.comm.reduces_by_all_to_all(send) else None)
+        handle = self.comm.reduce_scatter(out, send, work)
         accumulate = (self.stage >= 2 and not self.grads_are_zero) or \
             id(group) in self._add_to_reduced
 
@@ -221,6 +223,8 @@ class GradientReducer:
                 self.replica_comm.all_reduce(out).wait()
             group.take_reduced_grad(out, accumulate)
             group.drop_transient_grad()
+            if work is not None:
+                self.pool.give(work)
             self._reduced(unit)
 
         return handle, finish
