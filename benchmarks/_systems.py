@@ -58,7 +58,8 @@ class CommCounter(TorchDispatchMode):
            "reduce_scatter_": ("reduce_scatter", 1, 1),
            "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1),
            "allreduce_": ("all_reduce", 0, 2), "allreduce_coalesced_": ("all_reduce", 0, 2),
-           "broadcast_": ("broadcast", 0, None)}
+           "broadcast_": ("broadcast", 0, None),
+           "alltoall_base_": ("all_to_all", 1, 1)}
 
     def __init__(self, world: int):
         super().__init__()

@@ -112,8 +112,13 @@ def summary(ok: list[dict], nocomm: dict, args) -> list[str]:
             out.append(f"- ZeRO-{stage} meshzero exposed comm seconds by op (last timed step): "
                        + ", ".join(f"{k} {v:.3f}" for k, v in mz["own_exposed"].items()))
         own, counted = dict(mz.get("own_comm") or {}), mz.get("counted") or {}
+        counted = dict(counted)
         if "order_check" in own:  # the unit-order check is an all-gather to the c10d counter
             own["all_gather"] = own.get("all_gather", 0) + own.pop("order_check")
+        if "step_check" in own:  # the step's non-finite check is an all-reduce
+            own["all_reduce"] = own.get("all_reduce", 0) + own.pop("step_check")
+        if "all_to_all" in counted:  # meshzero's reduce-scatter on gloo (comm.py)
+            counted["reduce_scatter"] = counted.get("reduce_scatter", 0) + counted.pop("all_to_all")
         if own != {k: v for k, v in counted.items() if k in own or v}:
             out.append(f"- ZeRO-{stage}: meshzero comm_report {own} differs from the c10d "
                        f"counter {counted}")
