@@ -228,20 +228,23 @@ class Handle:
             t0 = time.perf_counter()
             done_before = self._work.is_completed()
             self._wait_named()
-            if self._then is not None:
-                self._then()
             # completed before the wait: it ended by t0 and nothing was exposed; else it
-            # ended as the wait returned
+            # ended as the wait returned; ``then`` (a local sum) is exposed either way
             t1 = t0 if done_before else time.perf_counter()
+            if self._then is not None:
+                t = time.perf_counter()
+                self._then()
+                t1 += time.perf_counter() - t
             self._stats.exposed_seconds += t1 - t0
             self._stats.intervals.append((self._issued, t1))
-        self._work = None
-        self._buffers = None
-        self._then = None
+        self._forget()
+
+    def _forget(self) -> None:
+        """Done (or failed): let go of the op, its buffers and its place in ``pending``."""
+        self._work, self._buffers, self._then = None, None, None
         if self._pending is not None:
             self._pending.pop(id(self), None)
             self._pending = None
-
 
     def _wait_named(self) -> None:
         assert self._work is not None
@@ -251,10 +254,7 @@ class Handle:
         try:
             self._work.wait()
         except RuntimeError:
-            # a failed op is done: let go of it, then say which one it was
-            self._work, self._buffers = None, None
-            if self._pending is not None:
-                self._pending.pop(id(self), None)
+            self._forget()  # a failed op is done; then say which one it was
             with failure_named(*self._describe):
                 raise
 
