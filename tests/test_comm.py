@@ -1,6 +1,8 @@
-"""Communicator.reduce_scatter on gloo over CPU goes by an all-to-all and a local sum (gloo's
-own reduce-scatter all-reduces a copy of the input made on the calling thread): the same
-shard as gloo's reduce-scatter, the same counts and bytes, and the input left as it was."""
+"""On gloo over CPU, Communicator.reduce_scatter goes by an all-to-all and a local sum (gloo's
+own reduce-scatter all-reduces a copy of the input made on the calling thread), and
+Communicator.all_gather by point-to-point sends and receives into the output (gloo's own
+receives into a fresh buffer and copies it out): the same results as gloo's collectives,
+the same counts and bytes, and the input left as it was."""
 
 from __future__ import annotations
 
@@ -49,3 +51,45 @@ def test_reduce_scatter_by_all_to_all_matches_gloo(tmp_path, world_size, async_o
             assert (got["count"], got["pending"]) == (1, 0)
             assert got["bytes"] == world_size * SHARD * 4 * (world_size - 1) // world_size
         assert res["untouched"]
+
+
+def _gather(rank: int, world: int, async_ops: bool) -> dict:
+    stats = CommStats()
+    comm = Communicator(dist.group.WORLD, "dp", stats, async_ops=async_ops)
+    out: dict = {}
+    # several gathers of different sizes in flight at once, waited on out of order
+    sizes = (SHARD, 3, 1000)
+    outputs = [torch.full((world * n,), -1.0) for n in sizes]
+    shards = [torch.arange(n, dtype=torch.float32) + 1000 * rank for n in sizes]
+    handles = [comm.all_gather(o, s) for o, s in zip(outputs, shards, strict=True)]
+    for h in reversed(handles):
+        h.wait()
+    out["outputs"] = outputs
+    gloo = [torch.empty(world * n) for n in sizes]
+    for g, s in zip(gloo, shards, strict=True):
+        dist.all_gather_into_tensor(g, s)
+    out["gloo"] = gloo
+    # in place: this rank's slice of the output is the shard (stages 1-2)
+    full = torch.full((world * SHARD,), float(rank))
+    comm.all_gather(full, full[rank * SHARD:(rank + 1) * SHARD]).wait()
+    out["in_place"] = full
+    op = stats.by_op()["all_gather"]
+    out["count"], out["bytes"], out["pending"] = op["count"], op["bytes"], len(stats.pending)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("async_ops", [True, False])
+def test_all_gather_point_to_point_matches_gloo(tmp_path, world_size, async_ops):
+    results = run_distributed(_gather, world_size, tmp_path, async_ops)
+    sizes = (SHARD, 3, 1000)
+    for res in results:
+        for n, got, gloo in zip(sizes, res["outputs"], res["gloo"], strict=True):
+            want = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r
+                              for r in range(world_size)])
+            assert torch.equal(got, want) and torch.equal(gloo, want)
+        assert torch.equal(res["in_place"], torch.arange(world_size).float()
+                           .repeat_interleave(SHARD))
+        assert (res["count"], res["pending"]) == (4, 0)
+        assert res["bytes"] == sum(world_size * n * 4 * (world_size - 1) // world_size
+                                   for n in (*sizes, SHARD))

@@ -259,6 +259,28 @@ class Handle:
                 raise
 
 
+class WorkList:
+    """Several point-to-point ops that make up one collective, waited on as one.
+
+    Gloo's send and receive works report ``is_completed()`` only once waited on (and a
+    wait with a short timeout closes the connection), so the list is complete only after
+    :meth:`wait`: the op's exposed time is still what the wait blocked, and its end is
+    taken as the wait's return."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.done = True
+        return True
+
+
 class Communicator:
     """Collectives over one process group, counted into shared :class:`CommStats`."""
 
@@ -274,6 +296,7 @@ class Communicator:
         self.async_ops = async_ops  # overlap_comm: False waits on every op at once
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
         self.closed = False  # CommStats.drop_groups: the engine was closed
+        self._global_ranks: list[int] | None = None  # the group's ranks, for send/recv
         stats.group_holders.append(self)
 
     def drop_groups(self) -> None:
@@ -303,16 +326,45 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor,
                    op: str = "all_gather") -> Handle:
         """``output`` (N*S,) <- concat of every rank's ``shard`` (S,); counted under ``op``
-        (stage 3's unit-order check is counted apart from the parameter all-gathers)."""
+        (stage 3's unit-order check is counted apart from the parameter all-gathers).
+
+        On gloo over CPU it is point-to-point: ``shard`` is sent to every other rank and
+        each rank's shard received straight into its slice of ``output``. Gloo's own
+        all-gather receives into a fresh buffer of the output's size and copies it out
+        (2.9x the time for a 77 MB shard at N=2, benchmarks/RESULTS.md); the bytes one rank
+        sends are the same, ``B (N-1)/N``."""
         nbytes = ring_bytes("all_gather", _size(output), self.size)
 
         def run(group):
             if group is None:
                 output.copy_(shard)
                 return None
+            if self.gloo and output.device.type == "cpu":
+                return self._gather_point_to_point(output, shard, group)
             return _all_gather(output, shard, group=group, async_op=True)
 
         return self._launch(op, nbytes, run, output, shard)
+
+    def _gather_point_to_point(self, output: torch.Tensor, shard: torch.Tensor,
+                               group: dist.ProcessGroup) -> WorkList:
+        """Send ``shard`` to every peer and receive each peer's into its slice of
+        ``output``: rank r sends to r+1, r+2, ... and receives from r-1, r-2, ..., so that
+        every pair's messages are posted in the same order on both sides."""
+        n = shard.numel()
+        if self._global_ranks is None:
+            self._global_ranks = dist.get_process_group_ranks(group)
+        works: list[dist.Work] = []
+        for step in range(1, self.size):
+            to, frm = (self.rank + step) % self.size, (self.rank - step) % self.size
+            sent = dist.isend(shard, self._global_ranks[to], group=group)
+            got = dist.irecv(output[frm * n:(frm + 1) * n], self._global_ranks[frm],
+                             group=group)
+            assert sent is not None and got is not None  # this rank is in the group
+            works += [sent, got]
+        mine = output[self.rank * n:(self.rank + 1) * n]
+        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1-2): already there
+            mine.copy_(shard)
+        return WorkList(works)
 
     def reduces_by_all_to_all(self, full: torch.Tensor) -> bool:
         """Whether :meth:`reduce_scatter` of ``full`` goes by an all-to-all (gloo, CPU)."""

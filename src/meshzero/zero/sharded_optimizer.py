@@ -19,6 +19,7 @@ from torch import nn
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup
+from meshzero.zero.grad_scan import scan_grads
 from meshzero.zero.offload import Tier
 from meshzero.zero.offload.stepping import split_fragment
 from meshzero.zero.offload.tier import placeholder
@@ -115,21 +116,15 @@ class ShardedOptimizerState:
         outside = self.tier.grad_stats(need_norm, need_overflow)
         if outside is not None:  # the tier keeps the gradient shard out of memory
             stats += torch.tensor(outside, dtype=torch.float64, device=device)
-        if replicated_weight:
+        elif replicated_weight:
             if self._view_weights is None:  # the weights never change: map them once
                 weight = {id(leaf): replicated_weight.get(id(p), 1.0)
                           for p, leaves in self.fragments.items() for leaf in leaves}
                 self._view_weights = [weight[id(leaf)] for leaf, _ in self.grad_views]
-            for (_, view), w in zip(self.grad_views, self._view_weights, strict=True):
-                if need_norm:
-                    stats[0] += view.double().pow(2).sum() * w
-                if need_overflow:
-                    stats[1] += (~torch.isfinite(view)).sum()
-        for g in self._trainable() if outside is None and not replicated_weight else ():
-            if need_norm:
-                stats[0] += g.grad.double().pow(2).sum()
-            if need_overflow:
-                stats[1] += (~torch.isfinite(g.grad)).sum()
+            stats += scan_grads([view for _, view in self.grad_views], self._view_weights,
+                                device, need_norm)
+        else:
+            stats += scan_grads([g.grad for g in self._trainable()], None, device, need_norm)
         if self.stage >= 1:
             self.comm.all_reduce(stats, name=op).wait()
         for comm in model_parallel or ():

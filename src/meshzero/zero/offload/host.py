@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshzero.zero.grad_scan import scan_grads
 from meshzero.zero.offload.stepping import (
     Chunk,
     plan_chunks,
@@ -122,8 +123,8 @@ class HostTier(Tier):
         with torch.no_grad():
             groups = [g for g in self.units[unit] if g.trainable]
             # never write inf/nan into the master: the engine agrees on the refusal
-            if self._refused or not all(bool(torch.isfinite(g.grad).all()) for g in groups
-                                        if g.grad is not None):
+            grads = [g.grad for g in groups if g.grad is not None]
+            if self._refused or (grads and scan_grads(grads, need_norm=False)[1].item() > 0):
                 self._refused += 1
                 return
             if unit in self._unit_chunks:  # 16-bit gradients: scaled as they are converted

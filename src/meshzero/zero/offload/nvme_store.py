@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from meshzero.zero.flat_buffer import FlatGroup, free_storage
+from meshzero.zero.grad_scan import scan_grads
 from meshzero.zero.offload.nvme_guard import IOFaults, raise_agreed, world_communicator
 from meshzero.zero.offload.nvme_io import (
     CUT,
@@ -202,10 +203,9 @@ class NvmeStore:
             g = buf[:tile.numel]
             if not self.faults.run(self.grad_file.read, tile.start, g, tile.describe()):
                 continue  # lost: the step below is refused on every rank
-            if need_norm:
-                sq += g.double().pow(2).sum().item()
-            if need_overflow:
-                bad += (~torch.isfinite(g)).sum().item()
+            tile_sq, tile_bad = scan_grads([g], need_norm=need_norm).tolist()
+            sq += tile_sq
+            bad += tile_bad
         return sq, bad
 
     # -- the tiled step -----------------------------------------------------------------------
