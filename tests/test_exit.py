@@ -46,7 +46,10 @@ def launch(variant: str, end: str, out: Path) -> subprocess.CompletedProcess:
 
 def clean_exit_failure(proc: subprocess.CompletedProcess) -> str | None:
     """Why a finished job's launch is not a clean exit, or None."""
+    # a traceback at exit (an engine's finalizer after the user's destroy_process_group())
+    # leaves the exit status 0: it is a failure all the same
     if proc.returncode != 0 or "terminate called" in proc.stderr \
+            or "Traceback (most recent call last)" in proc.stderr \
             or "exit_job: done" not in proc.stdout:
         return f"exit {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
     return None

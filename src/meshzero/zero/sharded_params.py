@@ -431,7 +431,10 @@ class ParameterSharder:
             h.remove()
         self._handles.clear()
         if self.check_comm is not None and self.check_comm.group is not None:
-            dist.destroy_process_group(self.check_comm.group)
+            # the user's destroy_process_group() (no argument) before the engine's end has
+            # destroyed this group with every other: nothing left to destroy
+            if dist.is_initialized():
+                dist.destroy_process_group(self.check_comm.group)
             self.check_comm = None
         for gs in self.units:
             for g in gs:
