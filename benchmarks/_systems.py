@@ -59,7 +59,8 @@ class CommCounter(TorchDispatchMode):
            "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1),
            "allreduce_": ("all_reduce", 0, 2), "allreduce_coalesced_": ("all_reduce", 0, 2),
            "broadcast_": ("broadcast", 0, None),
-           "alltoall_base_": ("all_to_all", 1, 1)}
+           "alltoall_base_": ("all_to_all", 1, 1),
+           "send": ("send", 0, None), "recv_": ("recv", None, None)}  # bytes sent only
 
     def __init__(self, world: int):
         super().__init__()
