@@ -1,4 +1,5 @@
-"""benchmarks/compare.py runs end to end, so the side-by-side harness cannot rot (issue 6);
+"""benchmarks/compare.py runs end to end, so the side-by-side harness cannot rot (issue 6), and
+meshzero's comm_report agrees with the bytes c10d saw; benchmarks/gloo_collectives.py runs;
 benchmarks/gpu_check.sh passes its own CPU dry run (slow set).
 
 It launches each system under torchrun with two ranks on a tiny GPT; DeepSpeed is left out
@@ -37,6 +38,18 @@ def test_compare_runs_and_prints_a_row_per_system_and_stage():
     # the same seed, data and fp32 AdamW: every sharded system ends at the same loss
     losses = {round(float(r["loss"]), 3) for r in measured if r["system"] in ("meshzero", "fsdp2")}
     assert len(losses) == 1, losses
+    # meshzero's own count of the bytes it sent equals what c10d saw (comm.py's gloo paths)
+    assert "differs from the c10d counter" not in out.stdout, out.stdout
+
+
+def test_gloo_collectives_runs_and_prints_each_way():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gloo_collectives.py"), "--numel", "1000",
+           "--repeat", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    row = next(ln for ln in out.stdout.splitlines() if ln.startswith("| 1,000 |"))
+    assert len(re.findall(r"\d+\.\d", row)) == 4, row
 
 
 @pytest.mark.slow

@@ -331,8 +331,8 @@ class Communicator:
         On gloo over CPU it is point-to-point: ``shard`` is sent to every other rank and
         each rank's shard received straight into its slice of ``output``. Gloo's own
         all-gather receives into a fresh buffer of the output's size and copies it out
-        (2.9x the time for a 77 MB shard at N=2, benchmarks/RESULTS.md); the bytes one rank
-        sends are the same, ``B (N-1)/N``."""
+        (3.1x the time for a 77 MB shard at N=2: benchmarks/gloo_collectives.py); the
+        bytes one rank sends are the same, ``B (N-1)/N``."""
         nbytes = ring_bytes("all_gather", _size(output), self.size)
 
         def run(group):
