@@ -350,7 +350,7 @@ class Communicator:
         """Send ``shard`` to every peer and receive each peer's into its slice of
         ``output``: rank r sends to r+1, r+2, ... and receives from r-1, r-2, ..., so that
         every pair's messages are posted in the same order on both sides."""
-        n = shard.numel()
+        n, shard = shard.numel(), shard.contiguous()  # gloo sends contiguous memory
         if self._global_ranks is None:
             self._global_ranks = dist.get_process_group_ranks(group)
         works: list[dist.Work] = []
