@@ -117,9 +117,9 @@ def summary(ok: list[dict], nocomm: dict, args) -> list[str]:
             own["all_gather"] = own.get("all_gather", 0) + own.pop("order_check")
         if "step_check" in own:  # the step's non-finite check is an all-reduce
             own["all_reduce"] = own.get("all_reduce", 0) + own.pop("step_check")
-        if "all_to_all" in counted:  # meshzero's reduce-scatter on gloo (comm.py)
+        if "all_to_all" in counted:  # meshzero's reduce-scatter on gloo (comm/communicator.py)
             counted["reduce_scatter"] = counted.get("reduce_scatter", 0) + counted.pop("all_to_all")
-        if "send" in counted:  # meshzero's all-gather on gloo: sends to each peer (comm.py)
+        if "send" in counted:  # meshzero's gloo all-gather: sends to each peer (comm/)
             counted["all_gather"] = counted.get("all_gather", 0) + counted.pop("send")
         if own != {k: v for k, v in counted.items() if k in own or v}:
             out.append(f"- ZeRO-{stage}: meshzero comm_report {own} differs from the c10d "

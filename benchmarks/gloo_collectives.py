@@ -1,5 +1,5 @@
 """gloo on CPU: its own all-gather and reduce-scatter against the ways meshzero's Communicator
-does them (comm.py), at the sizes of the benchmark models' flat groups.
+does them (comm/communicator.py), at the sizes of the benchmark models' flat groups.
 
     python benchmarks/gloo_collectives.py                     # W=2, shards of 3.5 M and 19.3 M
     python benchmarks/gloo_collectives.py --nproc 4 --numel 1000000

@@ -38,7 +38,7 @@ def test_compare_runs_and_prints_a_row_per_system_and_stage():
     # the same seed, data and fp32 AdamW: every sharded system ends at the same loss
     losses = {round(float(r["loss"]), 3) for r in measured if r["system"] in ("meshzero", "fsdp2")}
     assert len(losses) == 1, losses
-    # meshzero's own count of the bytes it sent equals what c10d saw (comm.py's gloo paths)
+    # meshzero's count of the bytes it sent equals what c10d saw (its gloo paths included)
     assert "differs from the c10d counter" not in out.stdout, out.stdout
 
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def communication_bytes(layout, s: Settings) -> float:
-    """Bytes one rank sends per optimizer step under the ring algorithms (comm.py's count).
+    """Bytes one rank sends per optimizer step under the ring algorithms (meshzero.comm's count).
     Stage 3 gathers a sharded group in every forward and again in every backward, unless its
     unit is kept gathered into backward (zero/gather_plan.py): then once per micro-step."""
     n = layout.num_shards

@@ -3,7 +3,7 @@
     nonfinite.py    inf/nan gradients: the step skipped (or refused) on every rank
     fingerprint.py  ranks that must agree (config, batch, model), checked at initialize
 
-The communication timeout and :class:`meshzero.comm.CollectiveError` live in ``comm.py``
+The communication timeout and :class:`meshzero.comm.CollectiveError` live in ``comm/``
 and ``topology.py`` (``faults.comm_timeout``).
 """
 

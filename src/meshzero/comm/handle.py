@@ -1,0 +1,99 @@
+"""An in-flight collective (:class:`Handle`), and several point-to-point ops waited on as
+one (:class:`WorkList`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from meshzero.comm.stats import OpStats, failure_named
+
+
+class Handle:
+    """An in-flight collective. Holds references to its buffers until waited on.
+
+    No completion callback (``work.get_future().then``) is attached: gloo would run the
+    Python callback on its own C++ worker thread, which then needs the GIL, and torch warns
+    that such a hook crashes the process if it runs after the interpreter has exited. The
+    end of an op is taken from ``is_completed()`` at the start of its wait instead.
+    """
+
+    def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,
+                 pending: dict[int, Handle] | None, *buffers,
+                 describe: tuple[str, str, str] | None = None,
+                 then: Callable[[], object] | None = None):
+        """``describe``: (op, group, where) for the error if the wait fails. ``then``: run
+        on the waiting thread once the op has completed (part of the op: its exposed time)."""
+        self._work = work
+        self._then = then
+        self._describe = describe
+        self._stats = stats
+        self._issued = issued
+        self._buffers: tuple | None = buffers  # in-flight memory stays alive (no record_stream)
+        self._pending = pending
+        if pending is not None:
+            pending[id(self)] = self
+
+    def completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._buffers is None:
+            return
+        if self._work is not None:
+            t0 = time.perf_counter()
+            done_before = self._work.is_completed()
+            self._wait_named()
+            # completed before the wait: it ended by t0 and nothing was exposed; else it
+            # ended as the wait returned; ``then`` (a local sum) is exposed either way
+            t1 = t0 if done_before else time.perf_counter()
+            if self._then is not None:
+                t = time.perf_counter()
+                self._then()
+                t1 += time.perf_counter() - t
+            self._stats.exposed_seconds += t1 - t0
+            self._stats.intervals.append((self._issued, t1))
+        self._forget()
+
+    def _forget(self) -> None:
+        """Done (or failed): let go of the op, its buffers and its place in ``pending``."""
+        self._work, self._buffers, self._then = None, None, None
+        if self._pending is not None:
+            self._pending.pop(id(self), None)
+            self._pending = None
+
+    def _wait_named(self) -> None:
+        assert self._work is not None
+        if self._describe is None:
+            self._work.wait()
+            return
+        try:
+            self._work.wait()
+        except RuntimeError:
+            self._forget()  # a failed op is done; then say which one it was
+            with failure_named(*self._describe):
+                raise
+
+
+class WorkList:
+    """Several point-to-point ops that make up one collective, waited on as one.
+
+    Gloo's send and receive works report ``is_completed()`` only once waited on (and a
+    wait with a short timeout closes the connection), so the list is complete only after
+    :meth:`wait`: the op's exposed time is still what the wait blocked, and its end is
+    taken as the wait's return."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.done = True
+        return True

@@ -1,0 +1,165 @@
+"""What the collectives are counted in: bytes one rank sends under the ring algorithms,
+seconds in flight and exposed, by group, op and phase; and the error a failed collective
+raises, naming the op, the group and where in training it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from meshzero.comm.handle import Handle
+
+OnComm = Callable[[str, int], None]  # (op, bytes this rank sent): a counter of a CommStats
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer stalled past the timeout, died, or called another one."""
+
+
+def where_in_training(step: int | None, phase: str) -> str:
+    """Where a failed collective was: ``at step 3 (backward)``, or during initialize."""
+    return "during initialize" if step is None else f"at step {step} ({phase})"
+
+
+@contextmanager
+def failure_named(op: str, group: str, where: str = "") -> Iterator[None]:
+    """Turn a collective's RuntimeError into one :class:`CollectiveError` line that names
+    ``op``, ``group`` and ``where`` training was."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        reason = (str(exc).strip().splitlines() or ["no message"])[0]
+        raise CollectiveError(
+            f"collective {op} over group {group} failed{f' {where}' if where else ''}: "
+            f"{reason}. A rank stalled past the timeout (faults.comm_timeout), died, or "
+            "called a different collective; see the other ranks' errors") from exc
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` over ``n`` ranks under the ring algorithms; ``nbytes``
+    is the all-gather's output, the reduce-scatter's input, the all-reduced or broadcast
+    tensor (a broadcast pipelined along a ring sends B (N-1)/N per rank)."""
+    if n <= 1:
+        return 0
+    return (2 if op == "all_reduce" else 1) * nbytes * (n - 1) // n
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class OpStats:
+    count: int = 0
+    bytes: int = 0
+    inter_node: bool = False
+    exposed_seconds: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)  # (issued, done)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time during which at least one of these ops was in flight (the union of
+        their intervals: prefetched ops that overlap each other are not counted twice)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.intervals):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+    def add(self, other: OpStats) -> None:
+        """Sum ``other`` into this (its intervals too, so the union stays right)."""
+        self.count += other.count
+        self.bytes += other.bytes
+        self.intervals += other.intervals
+        self.exposed_seconds += other.exposed_seconds
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds,
+                "exposed_seconds": self.exposed_seconds}
+
+
+@dataclass
+class CommStats:
+    """Counts per (group name, op). Shared by every communicator of an engine."""
+
+    ops: dict[tuple[str, str, str], OpStats] = field(default_factory=dict)
+    phase: str = "forward"
+    step: int | None = None  # the optimizer step under way (None: initialize), for errors
+    # ops issued and not waited on yet, by id(handle); a Handle removes itself on wait
+    pending: dict[int, Handle] = field(default_factory=dict)
+    # what holds the engine's process groups (every Communicator counting here, the mesh,
+    # the pipeline): objects with a drop_groups() method
+    group_holders: list[Any] = field(default_factory=list, repr=False)
+
+    def drop_groups(self) -> None:
+        """At the end of an engine: nothing of it holds a process group any more, so a group
+        the user destroyed is freed (and gloo's threads joined) now, not during interpreter
+        exit, where a thread still running can abort the process (docs/lifecycle.md)."""
+        for holder in self.group_holders:
+            holder.drop_groups()
+
+    def finish_pending(self, block: bool = True) -> int:
+        """Wait for every op not waited on yet (``block``), or (not ``block``: at exit after
+        an error, when a peer may never join) release those that have completed. Returns
+        how many were left in flight."""
+        left = 0
+        for handle in list(self.pending.values()):
+            if block or handle.completed():
+                handle.wait()
+            else:
+                left += 1
+        return left
+
+    def get(self, group: str, op: str, inter_node: bool = False) -> OpStats:
+        stats = self.ops.setdefault((group, op, self.phase), OpStats())
+        stats.inter_node = inter_node
+        return stats
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def counter(self, group: str, inter_node: bool = False) -> OnComm:
+        """``on_comm(op, nbytes)`` for collectives issued outside a Communicator (the tensor
+        parallel layers, the pipeline schedule): one count and its bytes per call."""
+        def count(op: str, nbytes: int) -> None:
+            stats = self.get(group, op, inter_node)
+            stats.count += 1
+            stats.bytes += nbytes
+
+        return count
+
+    def by_op(self) -> dict[str, dict]:
+        """``{op: {count, bytes, seconds, exposed_seconds, intra_node_bytes,
+        inter_node_bytes, phases: {phase: {bytes, intra_node_bytes, inter_node_bytes}}}}``
+        summed over groups."""
+        out: dict[str, OpStats] = {}
+        split: dict[str, dict] = {}
+        for (_, op, phase), s in self.ops.items():
+            acc = out.setdefault(op, OpStats())
+            acc.add(s)
+            where = "inter_node_bytes" if s.inter_node else "intra_node_bytes"
+            per_op = split.setdefault(op, {"intra_node_bytes": 0, "inter_node_bytes": 0,
+                                           "phases": {}})
+            per_op[where] += s.bytes
+            per_phase = per_op["phases"].setdefault(
+                phase, {"bytes": 0, "intra_node_bytes": 0, "inter_node_bytes": 0})
+            per_phase["bytes"] += s.bytes
+            per_phase[where] += s.bytes
+        return {op: {**s.as_dict(), **split[op]} for op, s in sorted(out.items())}
+
+    def by_group(self) -> dict[tuple[str, str], dict]:
+        """``{(op, group): {count, bytes, seconds, exposed_seconds}}`` summed over phases (the
+        comms_logger's lines: by_op() sums the groups away)."""
+        out: dict[tuple[str, str], OpStats] = {}
+        for (group, op, _), s in self.ops.items():
+            acc = out.setdefault((op, group), OpStats())
+            acc.add(s)
+        return {key: s.as_dict() for key, s in sorted(out.items())}
