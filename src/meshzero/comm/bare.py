@@ -65,16 +65,23 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
     _count(on_comm, "broadcast", tensor_bytes(tensor), group)
 
 
-def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
-             group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
-    """Point-to-point: for each ``(global peer, send, recv)`` send ``send`` to the peer and
-    receive its tensor into ``recv``, all at once."""
+def start_exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
+                   group: dist.ProcessGroup | None) -> list[dist.Work]:
+    """Point-to-point, not waited on: for each ``(global peer, send, recv)`` post the send
+    of ``send`` to the peer and the receive of its tensor into ``recv``; the works."""
     ops = []
     for peer, send, recv in pairs:
         ops.append(dist.P2POp(dist.isend, send, peer, group))
         ops.append(dist.P2POp(dist.irecv, recv, peer, group))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
+             group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
+    """Point-to-point: for each ``(global peer, send, recv)`` send ``send`` to the peer and
+    receive its tensor into ``recv``, all at once."""
     with failure_named("send_recv", group_name(group)):
-        for work in dist.batch_isend_irecv(ops) if ops else []:
+        for work in start_exchange(pairs, group):
             work.wait()
     if on_comm is not None and pairs:
         on_comm("send_recv", sum(tensor_bytes(send) for _, send, _ in pairs))

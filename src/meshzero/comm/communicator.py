@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshzero.comm.bare import all_gather_single, reduce_scatter_single
+from meshzero.comm.bare import all_gather_single, reduce_scatter_single, start_exchange
 from meshzero.comm.handle import Handle, WorkList
 from meshzero.comm.stats import (
     CommStats,
@@ -89,19 +89,14 @@ class Communicator:
     def _gather_point_to_point(self, output: torch.Tensor, shard: torch.Tensor,
                                group: dist.ProcessGroup) -> WorkList:
         """Send ``shard`` to every peer and receive each peer's into its slice of
-        ``output``: rank r sends to r+1, r+2, ... and receives from r-1, r-2, ..., so that
-        every pair's messages are posted in the same order on both sides."""
+        ``output`` (each pair sends one message each way, so posting order cannot pair
+        them wrongly)."""
         n, shard = shard.numel(), shard.contiguous()  # gloo sends contiguous memory
         if self._global_ranks is None:
             self._global_ranks = dist.get_process_group_ranks(group)
-        works: list[dist.Work] = []
-        for step in range(1, self.size):
-            to, frm = (self.rank + step) % self.size, (self.rank - step) % self.size
-            sent = dist.isend(shard, self._global_ranks[to], group=group)
-            got = dist.irecv(output[frm * n:(frm + 1) * n], self._global_ranks[frm],
-                             group=group)
-            assert sent is not None and got is not None  # this rank is in the group
-            works += [sent, got]
+        works = start_exchange([(peer, shard, output[r * n:(r + 1) * n])
+                                for r, peer in enumerate(self._global_ranks)
+                                if r != self.rank], group)
         mine = output[self.rank * n:(self.rank + 1) * n]
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1-2): already there
             mine.copy_(shard)
