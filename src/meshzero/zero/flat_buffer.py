@@ -209,7 +209,7 @@ class FlatGroup:
             return  # no master, or the tier keeps it out of memory (and writes the params)
         target = self.owned_params()
         if target.data_ptr() != self.master.data_ptr():
-            target.copy_(self.master)
+            self.tier.write_params(self, target)  # across to the device when offloaded
 
     @property
     def needs_param_all_gather(self) -> bool:

@@ -207,7 +207,10 @@ class GradientReducer:
         if self.stage == 0:
             handle = self.comm.all_reduce(send)
             return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)
+        # into the gradient shard itself when it is on the device (an offload tier takes
+        # ``out`` across to its host buffer: tier.store_grad)
         direct = (self.stage >= 2 and self.grads_are_zero and group.grad is not None
+                  and not group.tier.grads_cross
                   and send.dtype == group.grad.dtype and send.device == group.grad.device)
         out = (group.grad if direct and group.grad is not None
                else torch.empty_like(send[: group.layout.shard_numel]))

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class DeviceTier(Tier):
     name = "device"
+    grads_cross = False
 
     @property
     def optimizer_device(self) -> torch.device:
@@ -34,3 +35,26 @@ class DeviceTier(Tier):
         if group.grad_full is not None:  # stages 0-1: a view of the persistent full buffer
             return group.grad_full[lo:hi]
         return torch.zeros(hi - lo, dtype=self.grad_dtype, device=self.device)
+
+    def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
+        """On the device: nothing crosses (the shard was reduce-scattered in place, or is
+        copied / added here)."""
+        grad = group.grad
+        assert grad is not None, "the device tier keeps every gradient shard"
+        if out.data_ptr() == grad.data_ptr():  # reduce-scattered in place
+            return
+        if accumulate:
+            grad.add_(out)
+        else:
+            grad.copy_(out)
+
+    def write_params(self, group: FlatGroup, target: torch.Tensor) -> None:
+        """Into the compute parameters on the device; with offload_param, converted on the
+        device and across into the host shard (waited for: the next gather reads it)."""
+        master = group.master
+        assert master is not None  # called for groups whose master is in memory
+        if self.options.param != "none" and group.sharded:
+            self.transfers.to_host(target, master.to(target.dtype))
+            self.transfers.wait()
+        else:
+            target.copy_(master)

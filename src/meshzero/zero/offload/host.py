@@ -3,16 +3,13 @@
 The fp32 master, its gradient shard and the optimizer states of this rank live in host
 memory and the fused CPU kernel steps them. When nothing needs the global gradient first (no
 clipping, no fp16 overflow check) each unit is stepped on a worker thread as soon as its
-gradient shard has been reduced, while backward goes on with the remaining units
-(:class:`UnitStepper`); otherwise the whole step runs in ``engine.step()``.
+gradient shard has been reduced and has landed in host memory, while backward goes on with
+the remaining units (:class:`UnitStepper`); otherwise the whole step runs in ``engine.step()``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,42 +23,12 @@ from meshzero.zero.offload.stepping import (
     subsets_by_group,
 )
 from meshzero.zero.offload.tier import Tier, host_copy, host_zeros
+from meshzero.zero.offload.transfer import UnitStepper
+
+__all__ = ["HostTier", "UnitStepper"]
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
-
-
-class UnitStepper:
-    """Steps units on one worker thread while backward continues (host tier)."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshzero-step")
-        self._futures.append(self._pool.submit(fn))
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._futures)
-
-    def wait(self) -> None:
-        """Wait for every submitted unit step; re-raise the first error."""
-        futures, self._futures = self._futures, []
-        error = None
-        for f in futures:
-            exc = f.exception()
-            error = error or exc
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 class HostTier(Tier):
@@ -70,7 +37,8 @@ class HostTier(Tier):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.stepper = UnitStepper()
+        # the transfers' worker: a unit's step runs after its gradient has landed
+        self.stepper = self.transfers.worker
         self._step_scale: float | None = None
         self._unit_subsets: dict[int, list[list[torch.Tensor]]] = {}
         # units stepped / refused (inf/nan gradient: that one and all after it) in backward
@@ -141,11 +109,12 @@ class HostTier(Tier):
     def finish_unit_steps(self) -> bool:
         stepped = self._step_scale is not None
         self._step_scale = None
-        self.stepper.wait()
+        self.transfers.wait()  # the unit steps, then every copy
+        self.transfers.join_compute()  # compute reads the parameters the steps wrote
         return stepped
 
     def unit_step_outcome(self) -> tuple[int, int]:
         return self._stepped, self._refused
 
     def close(self) -> None:
-        self.stepper.close()
+        self.transfers.close()

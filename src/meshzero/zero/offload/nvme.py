@@ -17,7 +17,7 @@ import torch
 
 from meshzero.zero.offload.nvme_io import TilePlanner
 from meshzero.zero.offload.nvme_store import NvmeStore
-from meshzero.zero.offload.tier import Tier, placeholder
+from meshzero.zero.offload.tier import ShardsToDevice, Tier, placeholder
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
@@ -74,7 +74,8 @@ class NvmeTier(Tier):
                     self.space_numel += g.shard_numel
         self._check_space()
         self.store = NvmeStore(self.comm, self.options, self.compute_dtype, self.space_numel,
-                               device=self.device, grad_dtype=self.grad_dtype)
+                               device=self.device, grad_dtype=self.grad_dtype,
+                               transfers=self.transfers)
 
     def _check_space(self) -> None:
         """The paths have room for this node's ranks (upper bound: two generations of master,
@@ -110,7 +111,9 @@ class NvmeTier(Tier):
         return None  # the tiles convert 16-bit gradients as they are read
 
     def shard_source(self):
-        return self.store if self.options.param == "nvme" else None
+        if self.options.param == "nvme":  # read from the file, then across to the device
+            return ShardsToDevice(self.transfers, self.device, self.store)
+        return super().shard_source()
 
     # -- wiring ------------------------------------------------------------------------------
     def attach(self, units: list[list[FlatGroup]], optim_state: ShardedOptimizerState) -> None:
@@ -152,6 +155,7 @@ class NvmeTier(Tier):
 
     def close(self) -> None:
         self.store.close()
+        super().close()
 
     @property
     def buffer_nbytes(self) -> int:

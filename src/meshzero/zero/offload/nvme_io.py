@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +35,12 @@ def _raw(t: torch.Tensor):
 class NvmeFile:
     """One file, opened per access so a file removed under us is noticed."""
 
-    def __init__(self, path: str, itemsize: int):
+    def __init__(self, path: str, itemsize: int,
+                 count: Callable[[bool, int, float], None] | None = None):
+        """``count(writing, nbytes, seconds)``: told of every completed read and write."""
         self.path = path
         self.itemsize = itemsize
+        self.count = count
 
     def _open(self, flags: int, what: str) -> int:
         try:
@@ -55,6 +60,7 @@ class NvmeFile:
     def _transfer(self, index: int, t: torch.Tensor, what: str, *, writing: bool) -> None:
         """``t``'s bytes to (or from) the file at element ``index``; a short read is a
         truncated file."""
+        t0 = time.perf_counter()
         fd = self._open(os.O_WRONLY | os.O_CREAT if writing else os.O_RDONLY, what)
         view, offset = memoryview(_raw(t)).cast("B"), index * self.itemsize
         want = len(view)
@@ -66,6 +72,8 @@ class NvmeFile:
                         f"NVMe offload file {self.path} is truncated: wanted {want} bytes at "
                         f"offset {index * self.itemsize}, got {want - len(view)} ({what})")
                 view, offset = view[n:], offset + n
+            if self.count is not None:
+                self.count(writing, want, time.perf_counter() - t0)
         except OSError as exc:
             raise NvmeIOError(f"NVMe offload file {self.path} cannot be "
                               f"{'written' if writing else 'read'}: "

@@ -50,6 +50,7 @@ from meshzero.zero.offload.nvme_io import (
 from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
 from meshzero.zero.offload.stepping import step_subset, subsets_by_group
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
+from meshzero.zero.offload.transfer import Transfers
 
 if TYPE_CHECKING:
     from meshzero.comm import Communicator
@@ -60,10 +61,13 @@ class NvmeStore:
 
     def __init__(self, comm: Communicator, options: OffloadOptions,
                  compute_dtype: torch.dtype, space_numel: int,
-                 device: torch.device = HOST, grad_dtype: torch.dtype = torch.float32):
+                 device: torch.device = HOST, grad_dtype: torch.dtype = torch.float32,
+                 transfers: Transfers | None = None):
         """The files; masters arrive by :meth:`write_master` while the groups are built,
         then :meth:`attach` takes the groups and the optimizer leaves. ``device``: where
-        the agreement collectives' flags live (the process group's device)."""
+        the agreement collectives' flags live (the process group's device). ``transfers``:
+        the tier's copies to and from the device, which count every file access too."""
+        self.transfers = transfers or Transfers(device, options.pin_memory)
         self.comm = comm
         self.world = world_communicator(comm.stats)  # every rank agrees on I/O faults
         self.device = device
@@ -89,9 +93,10 @@ class NvmeStore:
         self._shard_reads: dict[int, Future] = {}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self._frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
-        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), grad_dtype.itemsize)
+        count = self.transfers.count_nvme
+        self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), grad_dtype.itemsize, count)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
-                                    compute_dtype.itemsize)
+                                    compute_dtype.itemsize, count)
         for kind in ("master", "params"):
             self._create(kind, scalar=False)
         self._preallocate(self.grad_file.path, self.space_numel * grad_dtype.itemsize)
@@ -132,8 +137,8 @@ class NvmeStore:
         if kind == "params":
             dtype = self.compute_dtype
         directory = self.param_dir if kind == "params" else self.dir
-        return NvmeFile(os.path.join(directory, f"{kind}.{gen}"),
-                        dtype.itemsize)
+        return NvmeFile(os.path.join(directory, f"{kind}.{gen}"), dtype.itemsize,
+                        self.transfers.count_nvme)
 
     def _write_initial_state(self) -> None:
         """Compute params of every trainable group to generation 0 (the masters are there
@@ -175,8 +180,13 @@ class NvmeStore:
     def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
         """Added (``accumulate``) or written to the grad file in the gradient dtype, as an
         in-memory gradient shard would be; an I/O error is recorded as lost data (the step
-        refuses on every rank), never raised here on one rank."""
-        host = out.detach().to(HOST, self.grad_dtype)
+        refuses on every rank), never raised here on one rank. The gradient crosses into
+        a page-locked staging buffer (the writer thread writes it from there and gives it
+        back); the write needs it landed, so this waits for the copy."""
+        src = out.detach() if out.dtype == self.grad_dtype else out.detach().to(self.grad_dtype)
+        host = self.transfers.staging.take(src.numel(), self.grad_dtype)
+        self.transfers.to_host(host, src)
+        self.transfers.wait()
         what = f"gradient of {group.layout.slots[0].name} and its group"
         if not accumulate:
             self.faults.new_backward()  # a pipeline's held gradients never start_backward
@@ -184,9 +194,15 @@ class NvmeStore:
             self.flush_grads()
             prev = torch.empty_like(host)
             if self.faults.run(self.grad_file.read, group.space_offset, prev, what):
-                host = host + prev
-        self._grad_writes.append(self._writer.submit(
-            self.faults.run, self.grad_file.write, group.space_offset, host, what))
+                host.add_(prev)
+
+        def write() -> None:
+            try:
+                self.faults.run(self.grad_file.write, group.space_offset, host, what)
+            finally:
+                self.transfers.staging.give(host)
+
+        self._grad_writes.append(self._writer.submit(write))
         while len(self._grad_writes) > self.options.buffer_count:
             self._grad_writes.popleft().result()
 
@@ -234,7 +250,8 @@ class NvmeStore:
         self.gen = new
         self.stepped = True
         for g, host in fresh:
-            g.owned_params().copy_(host)
+            self.transfers.to_device(g.owned_params(), host,
+                                     release=lambda h=host: self.transfers.staging.give(h))
 
     def _restore(self, optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
         for leaf in self.leaves:
@@ -360,15 +377,14 @@ class NvmeStore:
             if not g.trainable or (g.sharded and self.options.param == "nvme"):
                 continue
             lo, hi = g.owned
-            host = torch.empty(hi - lo, dtype=self.compute_dtype)
+            host = self.transfers.staging.take(hi - lo, self.compute_dtype)
             self.file("params", gen).read(g.space_offset, host,
                                           f"parameters of {g.layout.slots[0].name}")
             out.append((g, host))
         return out
 
     def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
-        host = torch.empty(g.layout.shard_numel, dtype=self.compute_dtype,
-                           pin_memory=self.options.pin_memory)
+        host = self.transfers.staging.take(g.layout.shard_numel, self.compute_dtype)
         what = f"parameter shard of {g.layout.slots[0].name}"
         if g.trainable:
             self.file("params", self.gen).read(g.space_offset, host, what)
@@ -389,7 +405,12 @@ class NvmeStore:
         """Forget reads ahead (a step is about to change the shards)."""
         reads, self._shard_reads = self._shard_reads, {}
         for fut in reads.values():
-            fut.exception()
+            if fut.exception() is None:
+                self.release_shard(fut.result())
+
+    def release_shard(self, host: torch.Tensor) -> None:
+        """A shard :meth:`read_shard` gave is on the device now: its buffer is reused."""
+        self.transfers.staging.give(host)
 
     def read_shard(self, g: FlatGroup) -> torch.Tensor:
         """``g``'s shard for its all-gather. A failed read must not keep this rank out of

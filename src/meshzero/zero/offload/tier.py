@@ -25,6 +25,7 @@ import torch
 
 from meshzero.log import warn_once
 from meshzero.zero.offload.stepping import Chunk, chunk_numel, plan_chunks, step_chunks
+from meshzero.zero.offload.transfer import StepTransfers, Transfers
 
 if TYPE_CHECKING:
     from meshzero.comm import Communicator
@@ -54,10 +55,13 @@ class OffloadOptions:
 
     @classmethod
     def from_config(cls, zc) -> OffloadOptions:
+        """``pin_memory``: true if either section says true; unset in both, true when CUDA
+        is present (DeepSpeed's habit); an explicit false is honoured."""
         opt, par = zc.offload_optimizer, zc.offload_param
-        pin = opt.pin_memory or par.pin_memory
+        given = [s.pin_memory for s in (opt, par) if "pin_memory" in s.model_fields_set]
+        pin = (any(given) and _can_pin()) if given else torch.cuda.is_available()
         return cls(optimizer=opt.device, param=par.device, optimizer_nvme_path=opt.nvme_path,
-                   param_nvme_path=par.nvme_path, pin_memory=pin and _can_pin(),
+                   param_nvme_path=par.nvme_path, pin_memory=pin,
                    buffer_count=opt.buffer_count, param_buffer_count=par.buffer_count,
                    sub_group_size=zc.sub_group_size)
 
@@ -96,6 +100,27 @@ def placeholder(numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = 
     return t.view(shape) if shape is not None else t
 
 
+class ShardsToDevice:
+    """The sharder's ``shard_source`` with parameter offload: a group's shard read from
+    ``source`` (an NVMe store; None: the group's host shard) and copied to a fresh device
+    tensor through ``transfers`` (counted as h2d), at the all-gather or its prefetch."""
+
+    def __init__(self, transfers: Transfers, device: torch.device, source=None) -> None:
+        self.transfers, self.device, self.source = transfers, device, source
+
+    def read_shard(self, g: FlatGroup) -> torch.Tensor:
+        source = self.source
+        host = g.shard if source is None else source.read_shard(g)
+        out = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
+        self.transfers.to_device(out, host, None if source is None
+                                 else lambda: source.release_shard(host))
+        return out
+
+    def prefetch_shard(self, g: FlatGroup) -> bool:
+        """Start reading ahead (files); a host shard needs none."""
+        return True if self.source is None else self.source.prefetch_shard(g)
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -127,6 +152,8 @@ class Tier(ABC):
         self.grad_dtype = grad_dtype
         self.units: list[list[FlatGroup]] = []
         self.chunks: list[Chunk] | None = None  # 16-bit gradients: stepped chunk by chunk
+        # every copy between the device and this tier's host buffers, counted (transfer.py)
+        self.transfers = Transfers(device, options.pin_memory)
 
     # -- where things live (each tier says) ----------------------------------------------------
     @property
@@ -173,8 +200,11 @@ class Tier(ABC):
         return chunk_numel(self.options.sub_group_size)
 
     def shard_source(self):
-        """An object that reads stage-3 shards kept out of memory (ParameterSharder)."""
-        return None
+        """With parameter offload, what gives the sharder a stage-3 shard on the device
+        (copied from its host buffer through :attr:`transfers`); None: on the device."""
+        if self.options.param == "none":
+            return None
+        return ShardsToDevice(self.transfers, self.device)
 
     # -- wiring ------------------------------------------------------------------------------
     def attach(self, units: list[list[FlatGroup]], optim_state: ShardedOptimizerState) -> None:
@@ -184,23 +214,39 @@ class Tier(ABC):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self.transfers.take()  # what construction moved is no step's
         numel = self.split_numel()
         if numel is not None:
             self.chunks = plan_chunks(optimizer, self.optim_state.grad_views, numel)
 
     # -- gradients and the step ----------------------------------------------------------------
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        """The reduced gradient ``out`` of ``group``'s owned range into its gradient shard;
-        ``accumulate`` adds to what earlier micro-steps left."""
+        """The reduced gradient ``out`` of ``group``'s owned range (on the device) into its
+        gradient shard in host memory; ``accumulate`` adds to what earlier micro-steps
+        left. It crosses in the gradient dtype straight into the shard (page-locked on
+        CUDA, on the copy stream: backward does not wait), or, to be added, into a staging
+        buffer that the worker adds once it has landed (``out``'s dtype: the same single
+        rounding as an add on the device)."""
         grad = group.grad
         assert grad is not None, "an in-memory tier keeps every gradient shard"
-        if out.data_ptr() == grad.data_ptr():  # reduce-scattered in place
-            return
-        src = out if out.device == grad.device else out.to(grad.device)
         if accumulate:
-            grad.add_(src)
+            self.transfers.to_host_staged(out, grad.add_)
         else:
-            grad.copy_(src)
+            self.transfers.to_host(grad, out if out.dtype == grad.dtype else out.to(grad.dtype))
+
+    def write_params(self, group: FlatGroup, target: torch.Tensor) -> None:
+        """The updated master of ``group`` into ``target``, its compute-dtype parameters of
+        the owned range: across to the device, unless the stage-3 shard lives in host
+        memory (offload_param)."""
+        assert group.master is not None  # called for groups whose master is in memory
+        if group.sharded and self.options.param != "none":
+            target.copy_(group.master)
+        else:
+            self.transfers.to_device(target, group.master)
+
+    def transfer_step(self) -> StepTransfers:
+        """The copies since the last call (one step); the counters start again."""
+        return self.transfers.take()
 
     def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float] | None:
         """Local squared norm and non-finite count of gradients kept out of memory; None
@@ -217,9 +263,15 @@ class Tier(ABC):
         return None
 
     def finish_unit_steps(self) -> bool:
-        """Wait for steps begun during backward; True if the tier stepped units then (all
-        of them, unless :meth:`unit_step_outcome` counts refusals)."""
+        """Wait for steps begun during backward and for every copy in flight (the host
+        gradients are complete after it); True if the tier stepped units then (all of
+        them, unless :meth:`unit_step_outcome` counts refusals)."""
+        self.transfers.wait()
         return False
+
+    # whether reduced gradients cross to host buffers (the reducer then never reduces into
+    # the gradient shard directly, even where the device is the CPU)
+    grads_cross: ClassVar[bool] = True
 
     # whether units may be stepped during backward (the reducer then spreads a non-finite
     # gradient over the whole group, so every rank refuses the same unit)
@@ -254,7 +306,7 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Stop threads and remove files."""
-        return None  # in memory: nothing to stop
+        self.transfers.close()
 
     # -- accounting ----------------------------------------------------------------------------
     @property
