@@ -319,6 +319,7 @@ class Engine(nn.Module):
     def _close_window(self) -> None:
         self._window_open = False
         self._last_comm = self.comm_stats.by_op()
+        self.zero.close_transfer_window()
         self._last_peak = self.zero.memory.peak
         if self._profiler is not None:
             self.last_profile = self._profiler.finish(dict(self._times))
@@ -372,6 +373,11 @@ class Engine(nn.Module):
     def comm_report(self) -> dict:
         """``{op: {count, bytes, seconds, exposed_seconds}}`` of the last optimizer step."""
         return {op: dict(v) for op, v in self._last_comm.items()}
+
+    def transfer_report(self) -> dict:
+        """``{d2h, h2d, nvme_read, nvme_write: {bytes, seconds, exposed_seconds, count,
+        pinned_count}}``: the offload copies of the last optimizer step (zero-offload.md)."""
+        return self.zero.transfer_report()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``{name: full fp32 CPU tensor}`` on every rank (a collective: call it on all)."""

@@ -113,8 +113,8 @@ class ShardedOptimizerState:
             return 0.0, False
         device = self.comm_device()
         stats = torch.zeros(2, dtype=torch.float64, device=device)
-        outside = self.tier.grad_stats(need_norm, need_overflow)
-        if outside is not None:  # the tier keeps the gradient shard out of memory
+        outside = self.tier.grad_stats(need_norm, need_overflow, bool(replicated_weight))
+        if outside is not None:  # out of memory, or partial norms taken on the device
             stats += torch.tensor(outside, dtype=torch.float64, device=device)
         elif replicated_weight:
             if self._view_weights is None:  # the weights never change: map them once

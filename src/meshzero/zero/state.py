@@ -26,6 +26,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
     OffloadOptions,
     make_tier,
 )
+from meshzero.zero.offload.transfer import StepTransfers
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 from meshzero.zero.sharded_params import GatheredMemory, ParameterSharder
@@ -105,6 +106,7 @@ class ZeroModelState:
         )
         self.optimizer: torch.optim.Optimizer | None = None
         self.closed = False
+        self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
 
     def _build_units(
         self, materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
@@ -295,6 +297,16 @@ class ZeroModelState:
             for slot, p in zip(g.layout.slots, g.params, strict=True):
                 held[id(p)] = max(0, min(hi, slot.offset + slot.numel) - max(lo, slot.offset))
         return held
+
+    def close_transfer_window(self) -> None:
+        """The end of an optimizer step: its offload copies become :meth:`transfer_report`'s."""
+        self._transfers = self.tier.transfer_step()
+
+    def transfer_report(self) -> dict[str, dict]:
+        """Per direction (d2h, h2d, nvme_read, nvme_write) the bytes, seconds, exposed
+        seconds, count and pinned count of the last optimizer step's offload copies (on CUDA
+        the copy times are read from their events here, waiting for any still running)."""
+        return self._transfers.report()
 
     def memory_report(self, optimizer: torch.optim.Optimizer) -> dict:
         """Bytes this rank holds at rest, by category and the tier each buffer lives in, plus

@@ -36,6 +36,10 @@ class DeviceTier(Tier):
             return group.grad_full[lo:hi]
         return torch.zeros(hi - lo, dtype=self.grad_dtype, device=self.device)
 
+    def grad_stats(self, need_norm: bool, need_overflow: bool,
+                   weighted: bool = False) -> tuple[float, float] | None:
+        return None  # read from the gradient shards, on the device already
+
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
         """On the device: nothing crosses (the shard was reduce-scattered in place, or is
         copied / added here)."""

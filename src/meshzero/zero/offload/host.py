@@ -77,6 +77,8 @@ class HostTier(Tier):
                 "boundary backward, so its gradients are final then; call backward once per "
                 "micro-step, or set engine.overlap_offload_step = False")
         self._step_scale = step_scale if boundary else None
+        # stepped whole in step() (clipping, fp16): it reads the norm taken on the device
+        self.want_norms(boundary and step_scale is None, torch.float64)
         if boundary:
             self._stepped, self._refused = 0, 0
 

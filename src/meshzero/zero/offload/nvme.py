@@ -131,12 +131,21 @@ class NvmeTier(Tier):
 
     # -- gradients and the step ----------------------------------------------------------------
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        self.store.take_grad(group, out, accumulate)
+        src = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
+        if accumulate:
+            self._norms = None  # the norm of a sum: read from the file after all
+        else:
+            self.note_norm(group, src)
+        self.store.take_grad(group, src, accumulate)
 
-    def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float] | None:
-        return self.store.grad_stats(need_norm, need_overflow)
+    def grad_stats(self, need_norm: bool, need_overflow: bool,
+                   weighted: bool = False) -> tuple[float, float] | None:
+        """From the norms taken on the device; else read tile by tile from the file."""
+        stats = self.device_grad_stats(need_norm)
+        return stats if stats is not None else self.store.grad_stats(need_norm, need_overflow)
 
     def start_backward(self, boundary: bool, step_scale: float | None) -> None:
+        super().start_backward(boundary, step_scale)
         self.store.faults.new_backward()
 
     def agree_io_failures(self) -> bool:

@@ -154,6 +154,10 @@ class Tier(ABC):
         self.chunks: list[Chunk] | None = None  # 16-bit gradients: stepped chunk by chunk
         # every copy between the device and this tier's host buffers, counted (transfer.py)
         self.transfers = Transfers(device, options.pin_memory)
+        # id(group) -> norm of its reduced gradient, taken on the device before it crossed,
+        # in a boundary backward whose step reads them (None: not wanted, or accumulated)
+        self._norms: dict[int, torch.Tensor] | None = None
+        self._norm_dtype = torch.float64
 
     # -- where things live (each tier says) ----------------------------------------------------
     @property
@@ -230,9 +234,43 @@ class Tier(ABC):
         grad = group.grad
         assert grad is not None, "an in-memory tier keeps every gradient shard"
         if accumulate:
+            self._norms = None  # the norm of a sum: read from the host after all
             self.transfers.to_host_staged(out, grad.add_)
-        else:
-            self.transfers.to_host(grad, out if out.dtype == grad.dtype else out.to(grad.dtype))
+            return
+        src = out if out.dtype == grad.dtype else out.to(grad.dtype)
+        self.note_norm(group, src)
+        self.transfers.to_host(grad, src)
+
+    # -- partial norms on the device ---------------------------------------------------------
+    def want_norms(self, boundary: bool, dtype: torch.dtype) -> None:
+        """A boundary backward whose step reads the gradient norm (fp64, exact as
+        grad_scan.py's) or only their finiteness (fp32): each group's norm is taken on the
+        device as its gradient is stored, before it crosses."""
+        self._norms = {} if boundary else None
+        self._norm_dtype = dtype
+
+    def note_norm(self, group: FlatGroup, grad: torch.Tensor) -> None:
+        """``grad`` (on the device) is ``group``'s whole gradient shard for this step."""
+        if self._norms is not None:  # no sync: a 0-d tensor on the device
+            self._norms[id(group)] = torch.linalg.vector_norm(grad, dtype=self._norm_dtype)
+
+    def device_grad_stats(self, need_norm: bool) -> tuple[float, float] | None:
+        """(squared norm, non-finite groups) from the norms taken on the device, summed as
+        :func:`~meshzero.zero.grad_scan.scan_grads` sums them (bit-identical); None when
+        they do not cover every gradient (accumulated, or a norm wanted in fp64 was taken
+        in fp32, or an fp32 norm overflowed: an exact read decides)."""
+        norms, self._norms = self._norms, None
+        groups = [g for gs in self.units for g in gs if g.trainable]
+        if norms is None or len(norms) != len(groups):
+            return None
+        if need_norm and self._norm_dtype != torch.float64:
+            return None
+        stacked = torch.stack([norms[id(g)].to(torch.float64) for g in groups])
+        bad = float((~torch.isfinite(stacked)).sum())
+        if bad and self._norm_dtype != torch.float64:
+            return None
+        sq = float((stacked.square() * 1.0).sum()) if need_norm else 0.0
+        return sq, bad
 
     def write_params(self, group: FlatGroup, target: torch.Tensor) -> None:
         """The updated master of ``group`` into ``target``, its compute-dtype parameters of
@@ -248,15 +286,20 @@ class Tier(ABC):
         """The copies since the last call (one step); the counters start again."""
         return self.transfers.take()
 
-    def grad_stats(self, need_norm: bool, need_overflow: bool) -> tuple[float, float] | None:
-        """Local squared norm and non-finite count of gradients kept out of memory; None
-        when every gradient shard is a tensor (``group.grad``)."""
-        return None
+    def grad_stats(self, need_norm: bool, need_overflow: bool,
+                   weighted: bool = False) -> tuple[float, float] | None:
+        """Local squared norm and non-finite count (above 0 exactly when some element is
+        inf/nan) from the partial norms taken on the device; None when there are none, or
+        the norm is ``weighted`` per fragment (tensor parallelism): then the caller reads
+        ``group.grad``."""
+        return None if weighted else self.device_grad_stats(need_norm)
 
     def start_backward(self, boundary: bool, step_scale: float | None) -> None:
         """``step_scale``: the engine needs nothing global before the step, so a tier may
         step each unit as soon as its gradient is reduced, times ``step_scale``."""
-        return None  # stepped whole in step()
+        # stepped whole in step(), which reads the norm (fp64) unless only the guard's
+        # finiteness is wanted (step_scale given: no clipping, no fp16)
+        self.want_norms(boundary, torch.float32 if step_scale is not None else torch.float64)
 
     def on_unit_reduced(self, unit: int) -> None:
         """Every gradient shard of ``unit`` is complete."""

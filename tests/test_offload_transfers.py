@@ -1,0 +1,135 @@
+"""Offload transfers (issue 23): ``engine.transfer_report()`` counts every copy between the
+device and the host tier and every NVMe file access, and on CPU they equal the formula's
+bytes per step, at stages 2 and 3, in each offload mode, at world sizes 1 and 2.
+
+The formula, per rank and optimizer step, with S the elements of this rank's optimizer space
+(the trainable groups' shards), g and c the gradient and compute itemsizes, A the
+accumulation steps, L the optimizer leaves and G the bytes of the stage-3 shards gathered
+in the step (A times each unit's shard: the default reuse plan keeps every unit gathered
+from its forward into its backward):
+
+    d2h         A S g                          each micro-step's reduced gradient shards
+    h2d         S c   (parameters on the device)     the updated parameters
+                G     (offload_param)          the shards, at their all-gather
+    nvme_write  A S g + S (4 + c + 8) + 4 L    gradients; master, params, Adam m and v, step
+    nvme_read   (A - 1) S g + S (4 + g + 8) + 4 L + S c (params back; G with offload_param)
+                + S g when A > 1 (the non-finite guard reads the file: partial norms taken
+                on the device cover a step's gradient only when it was not accumulated)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshzero
+from tests.distributed import run_distributed
+from tests.engine_runs import zero_config
+from tests.models import build_model, loss_fn_for, make_batches, split_for_rank
+
+STEPS = 3
+
+
+def _train_reports(rank: int, world_size: int, stage: int, opt: str, param: str, path: str,
+                   accum: int, bf16: bool) -> dict:
+    zero: dict = {"offload_optimizer": {"device": opt}, "sub_group_size": 500}
+    if param != "none":
+        zero["offload_param"] = {"device": param}
+    for key in zero:
+        if isinstance(zero[key], dict) and zero[key]["device"] == "nvme":
+            zero[key]["nvme_path"] = path
+    cfg = zero_config(stage, global_batch=4 * accum, grad_accum=accum,
+                      zero_optimization=zero, bf16={"enabled": bf16})
+    model = build_model("mlp")
+    engine, *_ = meshzero.initialize(model=model, config=cfg)
+    loss_fn = loss_fn_for(model)
+    reports = []
+    for batch in make_batches("mlp", STEPS, engine.train_batch_size(), 0):
+        for micro in range(accum):
+            x, y = split_for_rank(batch, rank, world_size, accum, micro)
+            engine.backward(loss_fn(engine(x).float(), y))
+            engine.step()
+        reports.append(engine.transfer_report())
+    groups = engine.zero.groups
+    out = {
+        "reports": reports,
+        "space": sum(g.owned[1] - g.owned[0] for g in groups if g.trainable),
+        "shards": sum(g.layout.shard_numel for g in groups if g.sharded),
+        "leaves": len(engine.zero.optim_state.fragment_index),
+        "c": engine.compute_dtype.itemsize,
+        "g": engine.zero.options.grad_dtype.itemsize,
+    }
+    engine.close()
+    return out
+
+
+def _expected(stage: int, opt: str, param: str, accum: int, r: dict) -> dict[str, int]:
+    s, c, g, leaves = r["space"], r["c"], r["g"], r["leaves"]
+    gathered = accum * r["shards"] * c if stage == 3 and param != "none" else 0
+    h2d = gathered if param != "none" else s * c
+    out = {"d2h": accum * s * g, "h2d": h2d, "nvme_read": 0, "nvme_write": 0}
+    if opt == "nvme":
+        out["nvme_write"] = accum * s * g + s * (4 + c + 8) + 4 * leaves
+        params_back = gathered if param == "nvme" else s * c
+        # the guard's finiteness check reads the gradient file only when the norms taken on
+        # the device do not cover it (accumulated over micro-steps)
+        guard = s * g if accum > 1 else 0
+        out["nvme_read"] = (accum - 1) * s * g + s * (4 + g + 8) + 4 * leaves + params_back \
+            + guard
+    return out
+
+
+CASES = [  # stage, offload_optimizer, offload_param
+    (2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"),
+    (2, "nvme", "none"), (3, "nvme", "nvme"),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage,opt,param", CASES)
+def test_transfer_counters_equal_the_formula(tmp_path, world_size, stage, opt, param):
+    accum = 2 if world_size == 1 else 1
+    results = run_distributed(_train_reports, world_size, tmp_path, stage, opt, param,
+                              str(tmp_path), accum, False)
+    for r in results:
+        want = _expected(stage, opt, param, accum, r)
+        report = r["reports"][-1]  # a step after the first: the reuse plan and states exist
+        got = {d: report[d]["bytes"] for d in want}
+        assert got == want, (stage, opt, param, world_size)
+        assert report["d2h"]["count"] > 0 and report["h2d"]["count"] > 0
+        for d in want:
+            assert report[d]["pinned_count"] == 0  # no CUDA: nothing is pinned
+            assert report[d]["seconds"] >= report[d]["exposed_seconds"] >= 0.0
+
+
+def test_transfer_counters_bf16_and_no_offload(tmp_path):
+    """bf16 compute (2-byte gradients and parameters cross); without offload nothing does."""
+    r = run_distributed(_train_reports, 1, tmp_path, 3, "cpu", "none", str(tmp_path), 1,
+                        True)[0]
+    assert r["c"] == r["g"] == 2
+    report = r["reports"][-1]
+    assert {d: report[d]["bytes"] for d in report} == _expected(3, "cpu", "none", 1, r)
+    none = run_distributed(_train_reports, 1, tmp_path, 3, "none", "none", str(tmp_path),
+                           1, False)[0]
+    assert all(v["bytes"] == v["count"] == 0 for v in none["reports"][-1].values())
+
+
+def test_transfers_on_cpu_copy_through_one_path():
+    """The Transfers object itself: a landed copy, a staged add, a converting copy to the
+    device, and the counters of each (CPU: synchronous, same code path)."""
+    from meshzero.zero.offload.transfer import Transfers
+
+    t = Transfers(torch.device("cpu"), pin=False)
+    src = torch.arange(6, dtype=torch.float32)
+    host = torch.zeros(6)
+    t.to_host(host, src)
+    t.to_host_staged(src, host.add_)
+    dev = torch.empty(6, dtype=torch.bfloat16)
+    t.to_device(dev, host)
+    t.wait()
+    assert torch.equal(host, 2 * src) and torch.equal(dev, (2 * src).bfloat16())
+    report = t.take().report()
+    assert report["d2h"]["bytes"] == 48 and report["d2h"]["count"] == 2
+    assert report["h2d"]["bytes"] == 12 and report["h2d"]["count"] == 1
+    assert t.take().report()["d2h"]["bytes"] == 0  # taken: the next step starts at zero
+    t.close()
