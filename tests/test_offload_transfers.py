@@ -24,7 +24,7 @@ import torch
 
 import meshzero
 from tests.distributed import run_distributed
-from tests.engine_runs import zero_config
+from tests.engine_runs import train, zero_config
 from tests.models import build_model, loss_fn_for, make_batches, split_for_rank
 
 STEPS = 3
@@ -133,3 +133,63 @@ def test_transfers_on_cpu_copy_through_one_path():
     assert report["h2d"]["bytes"] == 12 and report["h2d"]["count"] == 1
     assert t.take().report()["d2h"]["bytes"] == 0  # taken: the next step starts at zero
     t.close()
+
+
+def _clip_runs(rank: int, world_size: int, path: str) -> dict:
+    out = {}
+    for stage in (2, 3):
+        for opt in ("none", "cpu", "nvme"):
+            zero: dict = {"stage": stage}
+            if opt != "none":
+                zero["offload_optimizer"] = {"device": opt, "nvme_path": path} \
+                    if opt == "nvme" else {"device": opt}
+            cfg = zero_config(stage, global_batch=8, gradient_clipping=0.05,
+                              zero_optimization=zero)
+            r = train(rank, world_size, "mlp", cfg, 3)
+            out[(stage, opt)] = r.params
+    return out
+
+
+def test_clipping_from_device_norms_bit_identical(tmp_path):
+    """Clipping without accumulation: the offload tiers take the global norm from the
+    per-group norms taken on the device before the copy, and still train bit for bit like
+    the device tier (which reads its gradient shards)."""
+    for per_rank in run_distributed(_clip_runs, 2, tmp_path, str(tmp_path)):
+        for (stage, opt), params in per_rank.items():
+            for key, t in params.items():
+                assert torch.equal(t, per_rank[(stage, "none")][key]), (stage, opt, key)
+
+
+def test_device_norms_used_only_when_they_cover_the_step():
+    """The tier's partial norms: summed like grad_scan.scan_grads (bit-identical), dropped
+    when a gradient is accumulated or a norm wanted in fp64 was taken in fp32."""
+    from meshzero.zero.grad_scan import scan_grads
+    from meshzero.zero.offload import OffloadOptions
+    from meshzero.zero.offload.host import HostTier
+
+    class Group:  # what the tier reads of a flat group
+        trainable = True
+
+    tier = HostTier.__new__(HostTier)
+    groups = [Group(), Group()]
+    tier.units = [[groups[0]], [groups[1]]]
+    tier.options = OffloadOptions(optimizer="cpu")
+    grads = [torch.randn(1000), torch.randn(333)]
+    for want, dtype, covered in [(True, torch.float64, True), (True, torch.float32, False),
+                                 (False, torch.float32, True)]:
+        tier.want_norms(True, dtype)
+        for g, grad in zip(groups, grads, strict=True):
+            tier.note_norm(g, grad)
+        stats = tier.device_grad_stats(need_norm=want)
+        if not covered:
+            assert stats is None
+            continue
+        exact = scan_grads(grads, need_norm=want).tolist()
+        assert stats == (exact[0], 0.0)
+    tier.want_norms(True, torch.float64)
+    tier.note_norm(groups[0], grads[0])  # one group missing: not every gradient covered
+    assert tier.device_grad_stats(need_norm=True) is None
+    tier.want_norms(True, torch.float64)
+    for g in groups:
+        tier.note_norm(g, torch.tensor([1.0, float("inf")]))
+    assert tier.device_grad_stats(need_norm=True)[1] == 2.0

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -250,8 +251,8 @@ class NvmeStore:
         self.gen = new
         self.stepped = True
         for g, host in fresh:
-            self.transfers.to_device(g.owned_params(), host,
-                                     release=lambda h=host: self.transfers.staging.give(h))
+            self.transfers.to_device(g.owned_params(), host, release=partial(
+                self.transfers.staging.give, host))
 
     def _restore(self, optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
         for leaf in self.leaves:

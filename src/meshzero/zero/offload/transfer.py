@@ -144,6 +144,7 @@ class Transfers:
         self.cuda = device.type == "cuda"
         self.pin = pin
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._compute = torch.cuda.current_stream(device) if self.cuda else None
         self.staging = StagingPool(pin)
         self.worker = UnitStepper()
         self._stats = {d: DirectionStats() for d in DIRECTIONS}
@@ -168,9 +169,15 @@ class Transfers:
             return
         end = self._copy_async("d2h", dst, src)
         # the worker runs in order: what it runs after this has the landed dst too
-        self.worker.submit(lambda: (end.synchronize(), then() if then is not None else None))
 
-    def to_host_staged(self, src: torch.Tensor, then: Callable[[torch.Tensor], None]) -> None:
+        def land() -> None:
+            end.synchronize()
+            if then is not None:
+                then()
+
+        self.worker.submit(land)
+
+    def to_host_staged(self, src: torch.Tensor, then: Callable[[torch.Tensor], object]) -> None:
         """``src`` (device) into a staging host buffer; ``then(buffer)`` reads it once it
         has landed (the buffer goes back to the pool after)."""
         buf = self.staging.take(src.numel(), src.dtype)
@@ -219,7 +226,7 @@ class Transfers:
         assert self.stream is not None
         t0 = time.perf_counter()
         ready = torch.cuda.Event()
-        ready.record()  # on the compute stream: what compute wrote so far
+        ready.record(self._compute_stream())  # what compute wrote so far
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
@@ -261,7 +268,15 @@ class Transfers:
         with self._lock:
             end, self._last_h2d = self._last_h2d, None
         if end is not None:
-            torch.cuda.current_stream(self.device).wait_event(end)
+            self._compute_stream().wait_event(end)
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        """The training thread's current stream (the worker's own current stream is the
+        default one: it must order against the stream the training thread computes on)."""
+        if threading.get_ident() == self._main:
+            self._compute = torch.cuda.current_stream(self.device)
+        assert self._compute is not None  # on CUDA only
+        return self._compute
 
     def wait(self) -> None:
         """Every copy has completed and every ``then`` has run (host buffers may be read)."""
