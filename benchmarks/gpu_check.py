@@ -16,6 +16,11 @@ Checks (each prints PASS/FAIL and a line of figures):
 5. ``gpt_offload``: the benchmark GPT (~84 M) at ZeRO-3 with CPU offload, bf16: median step
    time and MFU from the flops profiler's FLOPs per step over the H200's dense bf16 peak.
 
+6. ``offload_speed`` (``gpu_offload_speed.py``): a 1.28 B GPT, bf16, 8 x 1024, at ZeRO-2/3
+   with the optimizer (and the parameters) offloaded: step time against the GPU-resident
+   step, d2h / h2d GB/s, pinned vs pageable memcpy; fails on any pageable offload copy or
+   d2h under 10 GB/s.
+
 Exit status 1 if any check fails. Nothing is downloaded; the models are built here.
 """
 
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import build_model, gpt_spec, loss_fn, make_batches  # noqa: E402
+from gpu_offload_speed import check_offload_speed  # noqa: E402
 
 import meshzero  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
@@ -163,7 +169,8 @@ def check_gpt_offload(spec, device, steps):
 
 
 CHECKS = {"nccl": check_nccl, "bf16": check_bf16, "cpu_offload": check_cpu_offload,
-          "nvme_offload": check_nvme_offload, "gpt_offload": check_gpt_offload}
+          "nvme_offload": check_nvme_offload, "gpt_offload": check_gpt_offload,
+          "offload_speed": check_offload_speed}  # gpu_offload_speed.py: the 1.28 B GPT
 
 
 def main() -> int:
