@@ -4,6 +4,7 @@ with optimizer and parameters offloaded, against the GPU-resident step of the sa
 
     python benchmarks/gpu_offload_speed.py            # on a GPU (~3 minutes on one H200)
     python benchmarks/gpu_offload_speed.py --tiny     # anywhere: a tiny GPT on CPU (gloo)
+    python benchmarks/gpu_offload_speed.py --hidden 512 --layers 4 ...  # another size
 
 For each case it prints the median step time and its ratio to the GPU-resident step, the
 device->host and host->device GB/s of the offload copies (``engine.transfer_report()``:
@@ -38,9 +39,11 @@ import meshzero  # noqa: E402
 
 MIN_D2H_GBPS = 10.0
 LARGE = 64 * 1024  # bytes: a memcpy at least this big is an offload copy
-# (stage, offload_optimizer, offload_param); stage-3 "cpu", "cpu" is ZeRO-Infinity on host
-CASES = [(2, "none", "none"), (2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"),
-         (3, "cpu", "cpu")]
+# (stage, offload_optimizer, offload_param, gradient_clipping); stage-3 "cpu", "cpu" is
+# ZeRO-Infinity on host. With clipping the global norm is needed before any unit may step,
+# so the host step runs after backward instead of during it: that row measures what it costs.
+CASES = [(2, "none", "none", 0.0), (2, "cpu", "none", 0.0), (2, "cpu", "none", 1.0),
+         (3, "none", "none", 0.0), (3, "cpu", "none", 0.0), (3, "cpu", "cpu", 0.0)]
 
 
 def big_spec(batch: int = 8, seq: int = 1024) -> ModelSpec:
@@ -49,14 +52,14 @@ def big_spec(batch: int = 8, seq: int = 1024) -> ModelSpec:
     return gpt_spec(hidden=2048, layers=24, heads=16, vocab=16384, seq=seq, batch=batch)
 
 
-def config(spec: ModelSpec, stage: int, opt: str, param: str) -> dict:
+def config(spec: ModelSpec, stage: int, opt: str, param: str, clip: float) -> dict:
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if opt != "none":
         zero["offload_optimizer"] = {"device": opt}
     if param != "none":
         zero["offload_param"] = {"device": param}
     return {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True},
+            "bf16": {"enabled": True}, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
             "zero_optimization": zero}
 
@@ -134,17 +137,18 @@ def _gbps(d: dict) -> float:
 def judge(results: dict, device: torch.device) -> tuple[bool, list[str]]:
     """The table's lines and whether every offload case passes (GPU rules only on CUDA)."""
     lines, ok = [], True
-    for (stage, opt, param), r in results.items():
+    for (stage, opt, param, clip), r in results.items():
         if opt == "none":
             continue
-        base = results[(stage, "none", "none")]["step"]
+        base = results[(stage, "none", "none", 0.0)]["step"]
         d2h, h2d = r["report"]["d2h"], r["report"]["h2d"]
         pageable = sum(n for k, n in r["memcpy"].items() if "Pageable" in k and "small" not in k)
         pinned = sum(n for k, n in r["memcpy"].items() if "Pinned" in k and "small" not in k)
         bad = device.type == "cuda" and (pageable > 0 or _gbps(d2h) < MIN_D2H_GBPS)
         ok = ok and not bad
         lines.append(
-            f"{'FAIL' if bad else 'ok  '} ZeRO-{stage} opt {opt} param {param}: step "
+            f"{'FAIL' if bad else 'ok  '} ZeRO-{stage} opt {opt} param {param}"
+            f"{f' clip {clip:g}' if clip else ''}: step "
             f"{r['step']:.3f} s = {r['step'] / base:.2f}x resident ({base:.3f} s); d2h "
             f"{d2h['bytes'] / 1e6:.1f} MB at {_gbps(d2h):.1f} GB/s ({d2h['exposed_seconds']:.3f} "
             f"s exposed), h2d {h2d['bytes'] / 1e6:.1f} MB at {_gbps(h2d):.1f} GB/s; "
@@ -154,15 +158,16 @@ def judge(results: dict, device: torch.device) -> tuple[bool, list[str]]:
     return ok, lines
 
 
-def check_offload_speed(spec: ModelSpec, device: torch.device, steps: int):
-    """gpu_check.py's ``offload_speed``: the 1.28 B GPT on CUDA, ``spec`` (tiny) on CPU."""
-    spec = big_spec() if device.type == "cuda" else spec
+def check_offload_speed(spec: ModelSpec, device: torch.device, steps: int,
+                        big: bool | None = None):
+    """gpu_check.py's ``offload_speed``: the 1.28 B GPT on CUDA (``big``), else ``spec``."""
+    spec = big_spec() if (device.type == "cuda" if big is None else big) else spec
     params = sum(p.numel() for p in build_model(spec, seed=0).parameters())
     results = {case: run_case(spec, device, case, steps) for case in CASES}
     ok, lines = judge(results, device)
     for line in lines:
         print("    " + line, flush=True)
-    worst = max(r["step"] / results[(c[0], "none", "none")]["step"]
+    worst = max(r["step"] / results[(c[0], "none", "none", 0.0)]["step"]
                 for c, r in results.items() if c[1] != "none")
     return ok, (f"{params / 1e6:.1f} M params, batch {spec.batch}x{spec.seq}, worst offload "
                 f"step {worst:.2f}x resident; d2h >= {MIN_D2H_GBPS:.0f} GB/s and no pageable "
@@ -173,12 +178,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny GPT on CPU (gloo)")
     p.add_argument("--steps", type=int, default=3)
+    for key in ("hidden", "layers", "heads", "vocab", "seq", "batch"):
+        p.add_argument(f"--{key}", type=int, help=f"the GPT's {key} instead (any device)")
     args = p.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     from meshzero.topology import init_distributed
 
     init_distributed("nccl" if device.type == "cuda" else "gloo")
-    ok, line = check_offload_speed(gpt_spec(tiny=True), device, args.steps)
+    sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq",
+                                           "batch")}
+    given = any(v is not None for v in sizes.values())
+    spec = gpt_spec(tiny=args.tiny or not given, **sizes)
+    ok, line = check_offload_speed(spec, device, args.steps,
+                                   big=None if not given and not args.tiny else False)
     print(f"{'PASS' if ok else 'FAIL'} offload_speed  {line}")
     return 0 if ok else 1
 

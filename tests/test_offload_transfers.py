@@ -58,6 +58,7 @@ def _train_reports(rank: int, world_size: int, stage: int, opt: str, param: str,
         "leaves": len(engine.zero.optim_state.fragment_index),
         "c": engine.compute_dtype.itemsize,
         "g": engine.zero.options.grad_dtype.itemsize,
+        "pinned": engine.zero.tier.options.pin_memory,
     }
     engine.close()
     return out
@@ -98,7 +99,9 @@ def test_transfer_counters_equal_the_formula(tmp_path, world_size, stage, opt, p
         assert got == want, (stage, opt, param, world_size)
         assert report["d2h"]["count"] > 0 and report["h2d"]["count"] > 0
         for d in want:
-            assert report[d]["pinned_count"] == 0  # no CUDA: nothing is pinned
+            # pinned by default only where CUDA is present
+            want_pinned = report[d]["count"] if r["pinned"] and d in ("d2h", "h2d") else 0
+            assert report[d]["pinned_count"] == want_pinned
             assert report[d]["seconds"] >= report[d]["exposed_seconds"] >= 0.0
 
 
