@@ -11,6 +11,9 @@ physical memory as the device, but it is still a second copy kept apart, exactly
     nvme.py       NvmeTier: path checks, files through nvme_store.py, tiles from nvme_io.py
     nvme_guard.py lost I/O data, every rank's agreement on it, the refused step
     nvme_owner.py directory owners, stale directories reclaimed, removal on SIGTERM/SIGINT
+    nvme_shards.py stage-3 parameter shards read from their files ahead of the all-gather
+    transfer.py   every host<->device copy (pinned staging, copy stream and events on CUDA)
+                  and file access, counted: ``engine.transfer_report()``
 """
 
 from __future__ import annotations

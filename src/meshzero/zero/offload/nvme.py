@@ -112,7 +112,7 @@ class NvmeTier(Tier):
 
     def shard_source(self):
         if self.options.param == "nvme":  # read from the file, then across to the device
-            return ShardsToDevice(self.transfers, self.device, self.store)
+            return ShardsToDevice(self.transfers, self.device, self.store.shards)
         return super().shard_source()
 
     # -- wiring ------------------------------------------------------------------------------
@@ -131,12 +131,17 @@ class NvmeTier(Tier):
 
     # -- gradients and the step ----------------------------------------------------------------
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
+        """Across into a pinned staging buffer, waited for (the writer thread writes it from
+        there), then to the grad file (nvme_store.py)."""
         src = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
         if accumulate:
             self._norms = None  # the norm of a sum: read from the file after all
         else:
             self.note_norm(group, src)
-        self.store.take_grad(group, src, accumulate)
+        host = self.transfers.staging.take(src.numel(), src.dtype)
+        self.transfers.to_host(host, src.detach())
+        self.transfers.wait()
+        self.store.take_grad(group, host, accumulate)
 
     def grad_stats(self, need_norm: bool, need_overflow: bool,
                    weighted: bool = False) -> tuple[float, float] | None:

@@ -49,6 +49,7 @@ from meshzero.zero.offload.nvme_io import (
     TilePlanner,
 )
 from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
+from meshzero.zero.offload.nvme_shards import ShardReads
 from meshzero.zero.offload.stepping import step_subset, subsets_by_group
 from meshzero.zero.offload.tier import HOST, OffloadOptions, placeholder
 from meshzero.zero.offload.transfer import Transfers
@@ -66,8 +67,8 @@ class NvmeStore:
                  transfers: Transfers | None = None):
         """The files; masters arrive by :meth:`write_master` while the groups are built,
         then :meth:`attach` takes the groups and the optimizer leaves. ``device``: where
-        the agreement collectives' flags live (the process group's device). ``transfers``:
-        the tier's copies to and from the device, which count every file access too."""
+        the agreement collectives' flags live (the process group's device). ``transfers``
+        (the tier's) copies to the device and counts every file access."""
         self.transfers = transfers or Transfers(device, options.pin_memory)
         self.comm = comm
         self.world = world_communicator(comm.stats)  # every rank agrees on I/O faults
@@ -87,14 +88,14 @@ class NvmeStore:
             comm.rank)
         token = CLEANUP.add([self.dir, self.param_dir])  # removed on SIGTERM / SIGINT
         self._cleanup = weakref.finalize(self, _remove, [self.dir, self.param_dir], token)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-read")
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-write")
         self._pool: list[TileBuffers] = []
         self._grad_writes: deque[Future] = deque()
-        self._shard_reads: dict[int, Future] = {}
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
-        self._frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
+        self.frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
         count = self.transfers.count_nvme
+        self.shards = ShardReads(self)  # stage-3 shards read ahead (offload_param nvme)
         self.grad_file = NvmeFile(os.path.join(self.dir, "grad"), grad_dtype.itemsize, count)
         self.frozen_file = NvmeFile(os.path.join(self.param_dir, "frozen"),
                                     compute_dtype.itemsize, count)
@@ -151,7 +152,7 @@ class NvmeStore:
                 self.file("params", 0).write(g.space_offset, src.contiguous().cpu(),
                                              "initial params")
             elif g.sharded and self.options.param == "nvme":
-                self._frozen_offset[id(g)] = frozen_at
+                self.frozen_offset[id(g)] = frozen_at
                 self.frozen_file.write(frozen_at, g.shard.cpu(), "initial frozen params")
                 frozen_at += g.layout.shard_numel
             if g.sharded and self.options.param == "nvme":
@@ -178,16 +179,11 @@ class NvmeStore:
         return True
 
     # -- gradients (main thread, as units are reduced) --------------------------------------
-    def take_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        """Added (``accumulate``) or written to the grad file in the gradient dtype, as an
-        in-memory gradient shard would be; an I/O error is recorded as lost data (the step
-        refuses on every rank), never raised here on one rank. The gradient crosses into
-        a page-locked staging buffer (the writer thread writes it from there and gives it
-        back); the write needs it landed, so this waits for the copy."""
-        src = out.detach() if out.dtype == self.grad_dtype else out.detach().to(self.grad_dtype)
-        host = self.transfers.staging.take(src.numel(), self.grad_dtype)
-        self.transfers.to_host(host, src)
-        self.transfers.wait()
+    def take_grad(self, group: FlatGroup, host: torch.Tensor, accumulate: bool) -> None:
+        """``host`` (a staging buffer of the transfers, in the gradient dtype, given back
+        once written) added (``accumulate``) or written to the grad file, as an in-memory
+        gradient shard would be; an I/O error is recorded as lost data (the step refuses
+        on every rank), never raised here on one rank."""
         what = f"gradient of {group.layout.slots[0].name} and its group"
         if not accumulate:
             self.faults.new_backward()  # a pipeline's held gradients never start_backward
@@ -196,16 +192,16 @@ class NvmeStore:
             prev = torch.empty_like(host)
             if self.faults.run(self.grad_file.read, group.space_offset, prev, what):
                 host.add_(prev)
-
-        def write() -> None:
-            try:
-                self.faults.run(self.grad_file.write, group.space_offset, host, what)
-            finally:
-                self.transfers.staging.give(host)
-
-        self._grad_writes.append(self._writer.submit(write))
+        self._grad_writes.append(self._writer.submit(
+            self._write_grad, group.space_offset, host, what))
         while len(self._grad_writes) > self.options.buffer_count:
             self._grad_writes.popleft().result()
+
+    def _write_grad(self, offset: int, host: torch.Tensor, what: str) -> None:
+        try:
+            self.faults.run(self.grad_file.write, offset, host, what)
+        finally:
+            self.transfers.staging.give(host)
 
     def flush_grads(self) -> None:
         while self._grad_writes:
@@ -229,7 +225,7 @@ class NvmeStore:
     def step(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
         """One optimizer step over every tile, committed on all ranks or on none."""
         self.flush_grads()
-        self.drop_shard_reads()
+        self.shards.drop()
         new = 1 - self.gen
         snapshot = {id(p): dict(s) for p, s in optimizer.state.items()}
         error: Exception | None = None
@@ -286,7 +282,7 @@ class NvmeStore:
                 if tile is None:
                     return
                 buf = free.popleft()
-                reads.append((tile, buf, self._reader.submit(self._read_tile, tile, buf)))
+                reads.append((tile, buf, self.reader.submit(self._read_tile, tile, buf)))
 
         try:
             issue_reads()
@@ -384,48 +380,6 @@ class NvmeStore:
             out.append((g, host))
         return out
 
-    def _read_shard_now(self, g: FlatGroup) -> torch.Tensor:
-        host = self.transfers.staging.take(g.layout.shard_numel, self.compute_dtype)
-        what = f"parameter shard of {g.layout.slots[0].name}"
-        if g.trainable:
-            self.file("params", self.gen).read(g.space_offset, host, what)
-        else:
-            self.frozen_file.read(self._frozen_offset[id(g)], host, what)
-        return host
-
-    def prefetch_shard(self, g: FlatGroup) -> bool:
-        """Start reading ``g``'s shard; False when ``param_buffer_count`` reads are out."""
-        if id(g) in self._shard_reads:
-            return True
-        if len(self._shard_reads) >= self.options.param_buffer_count:
-            return False
-        self._shard_reads[id(g)] = self._reader.submit(self._read_shard_now, g)
-        return True
-
-    def drop_shard_reads(self) -> None:
-        """Forget reads ahead (a step is about to change the shards)."""
-        reads, self._shard_reads = self._shard_reads, {}
-        for fut in reads.values():
-            if fut.exception() is None:
-                self.release_shard(fut.result())
-
-    def release_shard(self, host: torch.Tensor) -> None:
-        """A shard :meth:`read_shard` gave is on the device now: its buffer is reused."""
-        self.transfers.staging.give(host)
-
-    def read_shard(self, g: FlatGroup) -> torch.Tensor:
-        """``g``'s shard for its all-gather. A failed read must not keep this rank out of
-        the all-gather the others are in: the shard is NaN (every rank's output shows it)
-        and the data recorded as lost, so the step is refused on every rank."""
-        fut = self._shard_reads.pop(id(g), None)
-        if fut is not None and fut.exception() is None:
-            return fut.result()
-        try:  # a read ahead that failed (perhaps before the fault was fixed) is tried again
-            return self._read_shard_now(g)
-        except NvmeIOError as exc:
-            self.faults.record(exc)
-            return torch.full((g.layout.shard_numel,), float("nan"), dtype=self.compute_dtype)
-
     # -- everything in memory at once (checkpoints, full_state_dict) -------------------------
     @contextmanager
     def materialized(self, optimizer: torch.optim.Optimizer, index: list,
@@ -460,7 +414,7 @@ class NvmeStore:
                 g.master = torch.empty_like(g.master)
                 self.file("master", self.gen).read(g.space_offset, g.master, "master")
             if g.sharded and self.options.param == "nvme":
-                g.shard = self._read_shard_now(g)
+                g.shard = self.shards.read_now(g)
         for i, (leaf, frag, g) in enumerate(index):
             leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
             if self.stepped:
@@ -480,7 +434,7 @@ class NvmeStore:
                 self.file("params", self.gen).write(g.space_offset, src.contiguous().cpu(),
                                                     "params")
             elif g.sharded and self.options.param == "nvme":
-                self.frozen_file.write(self._frozen_offset[id(g)], g.shard.cpu(), "frozen params")
+                self.frozen_file.write(self.frozen_offset[id(g)], g.shard.cpu(), "frozen params")
         for i, (leaf, frag, g) in enumerate(index):
             for kind, value in optimizer.state.get(leaf, {}).items():
                 if isinstance(value, torch.Tensor):
@@ -510,7 +464,7 @@ class NvmeStore:
         return sum(b.nbytes for b in self._pool)
 
     def close(self) -> None:
-        self._reader.shutdown(wait=True)
+        self.reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self._cleanup()
 
