@@ -77,8 +77,9 @@ class HostTier(Tier):
                 "boundary backward, so its gradients are final then; call backward once per "
                 "micro-step, or set engine.overlap_offload_step = False")
         self._step_scale = step_scale if boundary else None
-        # stepped whole in step() (clipping, fp16): it reads the norm taken on the device
-        self.want_norms(boundary and step_scale is None, torch.float64)
+        # norms taken on the device as gradients are stored: the whole step's in fp64 when
+        # it runs in step() (clipping, fp16), else each unit's finiteness for its step here
+        self.want_norms(boundary, torch.float64 if step_scale is None else torch.float32)
         if boundary:
             self._stepped, self._refused = 0, 0
 
@@ -93,8 +94,7 @@ class HostTier(Tier):
         with torch.no_grad():
             groups = [g for g in self.units[unit] if g.trainable]
             # never write inf/nan into the master: the engine agrees on the refusal
-            grads = [g.grad for g in groups if g.grad is not None]
-            if self._refused or (grads and scan_grads(grads, need_norm=False)[1].item() > 0):
+            if self._refused or self._nonfinite(groups):
                 self._refused += 1
                 return
             if unit in self._unit_chunks:  # 16-bit gradients: scaled as they are converted
@@ -107,6 +107,18 @@ class HostTier(Tier):
             for g in groups:
                 g.copy_master_to_params()
             self._stepped += 1
+
+    def _nonfinite(self, groups: list[FlatGroup]) -> bool:
+        """Whether a gradient of ``groups`` (one unit's) has inf/nan: from the norms taken
+        on the device before the gradients crossed (no pass over host memory), or, when
+        one is missing or not finite (an fp32 norm of finite values may overflow), from
+        the exact host scan."""
+        norms = self._norms or {}
+        taken = [norms[id(g)] for g in groups if id(g) in norms]
+        if taken and len(taken) == len(groups) and bool(torch.isfinite(torch.stack(taken)).all()):
+            return False
+        grads = [g.grad for g in groups if g.grad is not None]
+        return bool(grads) and scan_grads(grads, need_norm=False)[1].item() > 0
 
     def finish_unit_steps(self) -> bool:
         stepped = self._step_scale is not None

@@ -228,7 +228,8 @@ class Transfers:
         ready = torch.cuda.Event()
         ready.record(self._compute_stream())  # what compute wrote so far
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
+        # the worker thread's current device may be another rank's: name ours
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             start.record(self.stream)
             dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
