@@ -196,3 +196,39 @@ def test_device_norms_used_only_when_they_cover_the_step():
     for g in groups:
         tier.note_norm(g, torch.tensor([1.0, float("inf")]))
     assert tier.device_grad_stats(need_norm=True)[1] == 2.0
+
+
+def _threaded_runs(rank: int, world_size: int, path: str) -> dict:
+    """Copies on a thread (MESHZERO_OFFLOAD_COPIES=thread): the asynchronous path of CUDA,
+    its buffers held and its gradients landed on the worker, on CPU."""
+    import os
+
+    from meshzero.zero.offload.transfer import Transfers
+
+    os.environ["MESHZERO_OFFLOAD_COPIES"] = "thread"
+    assert Transfers(torch.device("cpu"), pin=False).asynchronous
+    out = {}
+    for name, extra in [("plain", {}),
+                        ("clip+accum", {"gradient_clipping": 0.05, "grad_accum": 2})]:
+        accum = extra.pop("grad_accum", 1)
+        for stage, opt, param in [(2, "none", "none"), (3, "none", "none"),
+                                  (2, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]:
+            zero: dict = {"stage": stage}
+            for key, where in (("offload_optimizer", opt), ("offload_param", param)):
+                if where != "none":
+                    zero[key] = {"device": where, "nvme_path": path}
+            cfg = zero_config(stage, global_batch=8 * accum, grad_accum=accum,
+                              zero_optimization=zero, **extra)
+            out[(name, stage, opt)] = train(rank, world_size, "mlp", cfg, 3).params
+    return out
+
+
+def test_asynchronous_copies_on_a_thread_bit_identical(tmp_path):
+    """With every copy run later on a thread, offload still trains bit for bit like the
+    device tier: nothing reads a host gradient before it landed, overwrites a buffer in
+    flight, or computes with parameters that have not crossed."""
+    for per_rank in run_distributed(_threaded_runs, 2, tmp_path, str(tmp_path)):
+        for (name, stage, opt), params in per_rank.items():
+            base = per_rank[(name, stage, "none")]
+            for key, t in params.items():
+                assert torch.equal(t, base[key]), (name, stage, opt, key)

@@ -24,17 +24,20 @@ through a temporary, inside backward) and never blocks the training thread:
 
 Without CUDA the device is the CPU: the same calls copy synchronously, ``then`` runs at
 once, and the counters count the copies between the device and host tiers, so tests can
-hold them to the formula.
+hold them to the formula. With ``MESHZERO_OFFLOAD_COPIES=thread`` the copies run later on a
+thread instead (:class:`ThreadStream`), so the CPU exercises the asynchronous path.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -119,6 +122,44 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    dst.view(-1).copy_(src.reshape(-1))
+    return time.perf_counter() - t0
+
+
+class ThreadEvent:
+    """A copy on the :class:`ThreadStream`: done, or waited for, like a CUDA event."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def seconds(self) -> float:
+        return self.future.result()
+
+
+class ThreadStream:
+    """The copy stream without CUDA, for tests (``MESHZERO_OFFLOAD_COPIES=thread``): copies
+    run later, in issue order, on one thread, so the CPU runs the asynchronous path (held
+    buffers, landing on the worker, joins) and an ordering fault shows up as a wrong value.
+    Compute is the host here: joining it waits for the copy."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshzero-copy")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> ThreadEvent:
+        return ThreadEvent(self._pool.submit(_timed_copy, dst, src))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class StepTransfers:
     """The copies of one step; :meth:`report` gives ``{direction: {bytes, seconds,
     exposed_seconds, count, pinned_count}}`` (waiting for CUDA copies still in flight)."""
@@ -129,9 +170,8 @@ class StepTransfers:
         self._timed = timed or []
 
     def report(self) -> dict[str, dict]:
-        for direction, start, end in self._timed:
-            end.synchronize()
-            self._stats[direction].seconds += start.elapsed_time(end) / 1e3
+        for direction, seconds in self._timed:  # each waits for its copy
+            self._stats[direction].seconds += seconds()
         self._timed = []
         return {d: s.as_dict() for d, s in self._stats.items()}
 
@@ -139,10 +179,16 @@ class StepTransfers:
 class Transfers:
     """The copies of one rank's offload tier, and their counters (module docstring)."""
 
-    def __init__(self, device: torch.device, pin: bool) -> None:
+    def __init__(self, device: torch.device, pin: bool, simulate: bool | None = None) -> None:
+        """``simulate``: without CUDA, copy on a :class:`ThreadStream` (default: when
+        ``MESHZERO_OFFLOAD_COPIES=thread``) instead of synchronously."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = pin
+        if simulate is None:
+            simulate = os.environ.get("MESHZERO_OFFLOAD_COPIES") == "thread"
+        self.threads = ThreadStream() if simulate and not self.cuda else None
+        self.asynchronous = self.cuda or self.threads is not None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._compute = torch.cuda.current_stream(device) if self.cuda else None
         self.staging = StagingPool(pin)
@@ -151,10 +197,9 @@ class Transfers:
         self._lock = threading.Lock()
         self._main = threading.get_ident()  # the training thread: its waits are exposed
         # copies in flight on CUDA: (end event, what to hold or give back until it is done)
-        self._inflight: deque[tuple[torch.cuda.Event, tuple, Callable[[], None] | None]] = \
-            deque()
-        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._last_h2d: torch.cuda.Event | None = None
+        self._inflight: deque[tuple[Any, tuple, Callable[[], None] | None]] = deque()
+        self._timed: list[tuple[str, Callable[[], float]]] = []
+        self._last_h2d: Any = None  # a torch.cuda.Event or a ThreadEvent
 
     # -- copies ------------------------------------------------------------------------------
     def to_host(self, dst: torch.Tensor, src: torch.Tensor,
@@ -162,7 +207,7 @@ class Transfers:
         """``src`` (device) into ``dst`` (host, same numel and dtype). ``then`` reads the
         landed ``dst``: on CUDA it runs on the worker after the copy, else at once."""
         assert dst.dtype == src.dtype and dst.numel() == src.numel(), "a plain copy"
-        if not self.cuda:
+        if not self.asynchronous:
             self._copy_now("d2h", dst, src)
             if then is not None:
                 then()
@@ -198,7 +243,7 @@ class Transfers:
         cross-device copy through pageable memory), which then crosses on the copy stream.
         Issued by the training thread, compute waits for it at once (on the GPU); from the
         worker, at :meth:`join_compute`."""
-        if not self.cuda:
+        if not self.asynchronous:
             self._copy_now("h2d", dst, src)
             if release is not None:
                 release()
@@ -222,21 +267,16 @@ class Transfers:
         self._count(direction, _nbytes(dst), seconds, host.is_pinned())
 
     def _copy_async(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
-                    release: Callable[[], None] | None = None) -> torch.cuda.Event:
-        assert self.stream is not None
+                    release: Callable[[], None] | None = None) -> Any:
         t0 = time.perf_counter()
-        ready = torch.cuda.Event()
-        ready.record(self._compute_stream())  # what compute wrote so far
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # the worker thread's current device may be another rank's: name ours
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            start.record(self.stream)
-            dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
-            end.record(self.stream)
+        if self.threads is not None:
+            end: Any = self.threads.copy(dst, src)
+            seconds = end.seconds
+        else:
+            end, seconds = self._copy_on_stream(dst, src)
         with self._lock:  # src and dst alive until the copy is done (no record_stream)
             self._inflight.append((end, (src, dst), release))
-            self._timed.append((direction, start, end))
+            self._timed.append((direction, seconds))
             if direction == "h2d":
                 self._last_h2d = end
         host = dst if direction == "d2h" else src
@@ -244,6 +284,25 @@ class Transfers:
                     exposed=time.perf_counter() - t0)
         self._retire(block=False)
         return end
+
+    def _copy_on_stream(self, dst: torch.Tensor, src: torch.Tensor):
+        """On the copy stream, after what compute wrote so far; (end event, its timer)."""
+        assert self.stream is not None
+        ready = torch.cuda.Event()
+        ready.record(self._compute_stream())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # the worker thread's current device may be another rank's: name ours
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            start.record(self.stream)
+            dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
+            end.record(self.stream)
+
+        def seconds() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return end, seconds
 
     def _retire(self, block: bool) -> None:
         """Let go of what completed copies held (all of them, waiting, if ``block``)."""
@@ -258,7 +317,7 @@ class Transfers:
             if block:
                 t0 = time.perf_counter()
                 end.synchronize()
-                self._expose(time.perf_counter() - t0)
+                self._expose(time.perf_counter() - t0, "d2h")
             if release is not None:
                 release()
 
@@ -268,7 +327,13 @@ class Transfers:
         far; a no-op on CPU."""
         with self._lock:
             end, self._last_h2d = self._last_h2d, None
-        if end is not None:
+        if end is None:
+            return
+        if self.threads is not None:  # compute is this thread: wait for the copy
+            t0 = time.perf_counter()
+            end.synchronize()
+            self._expose(time.perf_counter() - t0, "h2d")
+        else:
             self._compute_stream().wait_event(end)
 
     def _compute_stream(self) -> torch.cuda.Stream:
@@ -301,12 +366,12 @@ class Transfers:
             if on_main:
                 s.exposed_seconds += seconds if exposed is None else exposed
 
-    def _expose(self, seconds: float) -> None:
-        """The training thread waited ``seconds`` for copies (charged to d2h: it waits for
-        gradients to land before the host reads them)."""
+    def _expose(self, seconds: float, direction: str) -> None:
+        """The training thread waited ``seconds`` for copies (a wait for everything is
+        charged to d2h: the host waits for gradients to land before it reads them)."""
         if threading.get_ident() == self._main:
             with self._lock:
-                self._stats["d2h"].exposed_seconds += seconds
+                self._stats[direction].exposed_seconds += seconds
 
     def take(self) -> StepTransfers:
         """The copies since the last ``take`` (one optimizer step); the counters start again
@@ -318,3 +383,5 @@ class Transfers:
 
     def close(self) -> None:
         self.worker.close()
+        if self.threads is not None:
+            self.threads.close()
