@@ -131,29 +131,32 @@ class NvmeTier(Tier):
 
     # -- gradients and the step ----------------------------------------------------------------
     def store_grad(self, group: FlatGroup, out: torch.Tensor, accumulate: bool) -> None:
-        """Across into a pinned staging buffer, waited for (the writer thread writes it from
-        there), then to the grad file (nvme_store.py)."""
+        """Across into a pinned staging buffer; once it has landed the worker hands it to
+        the store, which writes it to the grad file (nvme_store.py): backward goes on."""
         src = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
         if accumulate:
             self._norms = None  # the norm of a sum: read from the file after all
         else:
             self.note_norm(group, src)
         host = self.transfers.staging.take(src.numel(), src.dtype)
-        self.transfers.to_host(host, src.detach())
-        self.transfers.wait()
-        self.store.take_grad(group, host, accumulate)
+        self.transfers.to_host(host, src.detach(),
+                               lambda: self.store.take_grad(group, host, accumulate))
 
     def grad_stats(self, need_norm: bool, need_overflow: bool,
                    weighted: bool = False) -> tuple[float, float] | None:
         """From the norms taken on the device; else read tile by tile from the file."""
         stats = self.device_grad_stats(need_norm)
-        return stats if stats is not None else self.store.grad_stats(need_norm, need_overflow)
+        if stats is not None:
+            return stats
+        self.transfers.wait()  # every gradient handed to the store
+        return self.store.grad_stats(need_norm, need_overflow)
 
     def start_backward(self, boundary: bool, step_scale: float | None) -> None:
         super().start_backward(boundary, step_scale)
         self.store.faults.new_backward()
 
     def agree_io_failures(self) -> bool:
+        self.transfers.wait()  # every gradient handed to the store, then written
         self.store.flush_grads()
         return self.store.faults.agree(self.store.world, self.device)
 
@@ -161,15 +164,17 @@ class NvmeTier(Tier):
         self.store.faults.refuse()
 
     def step(self, scale: float) -> None:
+        self.transfers.wait()
         self.store.step(self.optimizer, scale)
 
     def materialized(self, write_back: bool = False) -> AbstractContextManager[None]:
+        self.transfers.wait()
         return self.store.materialized(self.optimizer, self.optim_state.fragment_index,
                                        write_back)
 
     def close(self) -> None:
+        super().close()  # the worker first: it may still hand gradients to the store
         self.store.close()
-        super().close()
 
     @property
     def buffer_nbytes(self) -> int:
