@@ -27,7 +27,7 @@ from tests.distributed import run_distributed
 from tests.engine_runs import train, zero_config
 from tests.models import build_model, loss_fn_for, make_batches, split_for_rank
 
-STEPS = 3
+STEPS = 2
 
 
 def _train_reports(rank: int, world_size: int, stage: int, opt: str, param: str, path: str,
@@ -99,9 +99,8 @@ def test_transfer_counters_equal_the_formula(tmp_path, world_size, stage, opt, p
         assert got == want, (stage, opt, param, world_size)
         assert report["d2h"]["count"] > 0 and report["h2d"]["count"] > 0
         for d in want:
-            # pinned by default only where CUDA is present
-            want_pinned = report[d]["count"] if r["pinned"] and d in ("d2h", "h2d") else 0
-            assert report[d]["pinned_count"] == want_pinned
+            assert not r["pinned"]  # a CPU device: nothing to pin for
+            assert report[d]["pinned_count"] == 0
             assert report[d]["seconds"] >= report[d]["exposed_seconds"] >= 0.0
 
 

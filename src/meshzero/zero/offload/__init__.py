@@ -18,6 +18,7 @@ physical memory as the device, but it is still a second copy kept apart, exactly
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +44,10 @@ def make_tier(options: OffloadOptions, *, comm: Communicator, device: torch.devi
               grad_dtype: torch.dtype = torch.float32) -> Tier:
     """The tier of ``options.optimizer`` (the config's ``offload_optimizer.device``), with
     ``options.param`` placing stage-3 parameter shards. The NVMe tier checks its paths and
-    creates its files here, before any group is built."""
+    creates its files here, before any group is built. Host buffers are pinned only for a
+    CUDA device (page-locked memory speeds up copies to a GPU and nothing else)."""
+    if options.pin_memory and device.type != "cuda":
+        options = replace(options, pin_memory=False)
     return _TIER_OF[options.optimizer](options, comm=comm, device=device, layout=layout,
                                        stage=stage, compute_dtype=compute_dtype,
                                        grad_dtype=grad_dtype)
