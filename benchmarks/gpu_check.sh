@@ -10,8 +10,11 @@
 # bf16 (equals autocast within bf16 tolerance), pinned-memory CPU offload and NVMe offload of
 # optimizer and parameters with the overlapped host step (equal to no offload), and the
 # ~84 M GPT at ZeRO-3 + CPU offload, bf16: median step and MFU against 989 TFLOP/s (H200
-# dense bf16), FLOPs from meshzero's flops profiler. (The test suite has no CUDA-marked
-# tests: its distributed tests spawn gloo ranks on CPU, so these checks are the CUDA tests.)
+# dense bf16), FLOPs from meshzero's flops profiler, and profiler_truth
+# (benchmarks/gpu_profiler_truth.py): a 1.24 B GPT at ZeRO-3, the profiler's headline
+# against an outside timer and the profiled step against the median, both within 5 %.
+# (The test suite has no CUDA-marked tests: its distributed tests spawn gloo ranks on CPU,
+# so these checks are the CUDA tests.)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -27,7 +30,7 @@ dry=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --dry-run or nothing)" >&2; exit 2 ;;
   esac
 done

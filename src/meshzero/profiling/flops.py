@@ -66,6 +66,7 @@ FORMULAS: dict[Any, Any] = {
 }
 
 PHASES = ("forward", "backward", "recompute", "step")
+_UNSEEN = object()
 TOTAL, REPLICATED = "__total__", "__replicated__"  # counts keys beside module paths
 
 
@@ -94,6 +95,8 @@ class _CountingMode(TorchDispatchMode):
     def __init__(self, counter: FlopCounter):
         super().__init__()
         self.counter = counter
+        self.formulas: dict[int, Any] = {}
+        self.seen: list[Any] = []
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -104,7 +107,11 @@ class _CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = FORMULAS.get(func._overloadpacket)
+        # keyed by the overload's id (a long-lived singleton): hashing the op costs a call
+        formula = self.formulas.get(id(func), _UNSEEN)
+        if formula is _UNSEEN:
+            formula = self.formulas[id(func)] = FORMULAS.get(func._overloadpacket)
+            self.seen.append(func)  # keeps the id valid
         if formula is not None:
             self.counter.add(int(formula(*args, **kwargs, out_val=out)))
         return out
@@ -213,8 +220,7 @@ class FlopCounter:
         # backward scopes come from hooks set in the original forward; the recomputed graph
         # is consumed by the original one, so its own hooks are not needed
         if inputs and torch.is_grad_enabled() and not in_backward:
-            self._handles.append(register_multi_grad_hook(
-                inputs, lambda _g, p=path: self._exit("backward", p), mode="any"))
+            self._on_first_grad(inputs, lambda p=path: self._exit("backward", p))
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         path = self.paths[module]
@@ -223,8 +229,16 @@ class FlopCounter:
         self._exit("recompute" if in_backward else "forward", path)
         outputs = _tensors(output)
         if outputs and torch.is_grad_enabled() and not in_backward:
-            self._handles.append(register_multi_grad_hook(
-                outputs, lambda _g, p=path: self._enter("backward", p), mode="any"))
+            self._on_first_grad(outputs, lambda p=path: self._enter("backward", p))
+
+    def _on_first_grad(self, tensors: list[torch.Tensor], fn) -> None:
+        """``fn()`` when the first of ``tensors`` gets its gradient in a backward. One tensor
+        (the usual module input or output) takes a plain tensor hook, much cheaper than a
+        multi-grad hook: its gradient is computed once per backward."""
+        if len(tensors) == 1:
+            self._handles.append(tensors[0].register_hook(lambda _g: fn()))
+        else:
+            self._handles.append(register_multi_grad_hook(tensors, lambda _g: fn(), mode="any"))
 
     # -- results -------------------------------------------------------------------------------
     def total(self, phase: str) -> int:
