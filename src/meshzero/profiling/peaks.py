@@ -6,6 +6,7 @@ a CPU has no datasheet peak, and a guess would make MFU a made-up number).
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -48,3 +49,15 @@ def device_peak_flops(device: torch.device, user_value: float | None,
     if found is not None:
         return found[0], f"dense bf16 datasheet peak of {found[1]} (device {name!r})"
     return None, (f"unknown: no peak for device {name!r}; set flops_profiler.peak_flops")
+
+
+def measure_cpu_matmul_flops(seconds: float = 0.2, n: int = 512) -> float:
+    """FLOP/s of fp32 matmuls on this process's threads, measured once (``ds_report``'s CPU
+    row). Not a peak: MFU on CPU uses ``flops_profiler.peak_flops`` or is unknown."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
