@@ -312,7 +312,7 @@ class Engine(nn.Module):
         self._window_open = False
         self._last_comm = self.comm_stats.by_op()
         self._last_peak = self.zero.memory.peak
-        self.profiling.close_step(self.global_steps - 1, dict(self._times))
+        self.profiling.close_step(self.global_steps - 1)
         if self.global_steps % self.config.steps_per_print == 0:
             logger.info("step %d lr %s loss_scale %g", self.global_steps, self.get_lr(),
                         self.loss_scaler.scale)

@@ -139,6 +139,8 @@ class FlopCounter:
         self._active: dict[str, int] = {}  # path -> open scopes (only paths with some open)
         self._entered: dict[tuple[str, str], list[Any]] = defaultdict(list)
         self._intervals: list[tuple[str, str, Any, Any]] = []  # (phase, path, start, end)
+        self._phase_marks: list[tuple[str, Any]] = []
+        self.phase_latency = Seconds()  # seconds per phase, from set_phase's marks
         self._forward_depth = 0
         self._handles: list[Any] = []
         self._mode: _CountingMode | None = None
@@ -151,24 +153,33 @@ class FlopCounter:
         self._mode = _CountingMode(self)
         self._mode.__enter__()
 
-    def stop(self) -> None:
-        """Remove every hook, then read the marks into ``latency`` (waits once)."""
+    def stop(self, end: Any = None) -> None:
+        """Remove every hook, then read the marks into ``latency`` and ``phase_latency``;
+        ``end`` (default: now) is the mark that ends the last phase. Waits once, for it."""
+        end = self.timeline.mark() if end is None else end
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._intervals:
-            self.timeline.wait(self._intervals[-1][3])
-        for phase, path, start, end in self._intervals:
-            self.latency[phase][path] += self.timeline.seconds(start, end)
+        self.timeline.wait(end)
+        seconds = self.timeline.seconds
+        for phase, path, start, stop in self._intervals:
+            self.latency[phase][path] += seconds(start, stop)
         self._intervals.clear()
+        ends = [m for _, m in self._phase_marks[1:]] + [end]
+        for (phase, start), stop in zip(self._phase_marks, ends, strict=True):
+            self.phase_latency[phase] += seconds(start, stop)
+        self._phase_marks.clear()
 
     def set_phase(self, phase: str) -> None:
-        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward."""
+        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward.
+        Each call marks the timeline: the time until the next call (or ``stop``) is the
+        phase's."""
         self.end_backward()
         self.phase = phase
+        self._phase_marks.append((phase, self.timeline.mark()))
 
     def end_backward(self) -> None:
         """Close backward scopes still open when autograd returns: a module whose inputs need

@@ -26,10 +26,14 @@ def table_peak(name: str) -> tuple[float, str] | None:
     """(peak, table key) for a device name such as ``NVIDIA H100 80GB HBM3``; the longest key
     that occurs in the name as a whole word wins (``H100 PCIe`` before ``H100``; ``A10`` does
     not match ``A100`` or ``A10G``, nor ``H200`` ``GH200``). None when no key matches."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
+    for key, pattern in _PATTERNS:
+        if pattern.search(name):
             return PEAK_FLOPS[key], key
     return None
+
+
+_PATTERNS = [(key, re.compile(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", re.I))
+             for key in sorted(PEAK_FLOPS, key=len, reverse=True)]
 
 
 def device_name(device: torch.device) -> str:

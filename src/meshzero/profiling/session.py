@@ -59,13 +59,13 @@ class EngineProfiling:
         if self.profiler is not None:
             self.profiler.counter.end_backward()
 
-    def close_step(self, step: int, times: dict[str, float]) -> None:
+    def close_step(self, step: int) -> None:
         """The end of optimizer step ``step``: its clock mark, then the report's work."""
         profiled = self.profiler is not None
         self.clock.close(step, profiled)
         if self.profiler is not None:
             t0 = time.perf_counter()
-            self.report = self.profiler.finish(times, self.clock.last_seconds())
+            self.report = self.profiler.finish(self.clock.steps[-1], self.clock)
             self.report.report_build_s = time.perf_counter() - t0
             self.profiler = None
             self.pending = True

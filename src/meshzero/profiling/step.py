@@ -26,7 +26,7 @@ from meshzero.profiling.flops import FlopCounter
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import device_peak_flops
 from meshzero.profiling.report import ModuleRow, ProfileReport
-from meshzero.profiling.timing import Timeline, timeline_for
+from meshzero.profiling.timing import StepClock, StepTime, Timeline, timeline_for
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +183,12 @@ class StepProfiler:
             torch.cuda.reset_peak_memory_stats(self.engine.device)
         self.counter.start()
 
-    def finish(self, times: dict[str, float], profiled_s: float) -> ProfileReport:
-        self.counter.stop()  # reads the module marks: one wait for the last
+    def finish(self, step: StepTime, clock: StepClock) -> ProfileReport:
+        """The report of ``step`` (the clock's record of the profiled step)."""
+        self.counter.stop(end=step.end)  # reads the marks: one wait, for the step's end
+        profiled_s = clock.seconds(step)
         e, c = self.engine, self.counter
+        times = c.phase_latency
         fcfg = e.config.flops_profiler
         peak, peak_source = device_peak_flops(e.device, fcfg.peak_flops)
         flops = flop_figures(c, e.topology.tp_size)

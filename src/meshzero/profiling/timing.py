@@ -67,6 +67,7 @@ class CudaTimeline:
         mark.synchronize()
 
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()  # returns at once after wait(); guards marks on other streams
         return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
 
 
