@@ -16,6 +16,7 @@ import json
 import math
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import meshzero
+from meshzero.profiling import get_model_profile
 from meshzero.profiling.flops import FlopCounter
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import PEAK_FLOPS, device_peak_flops, table_peak
@@ -308,3 +310,14 @@ def test_json_printed_table_and_monitors_carry_one_set_of_numbers(tmp_path):
     assert len(data["per_rank"]["peak_memory_bytes"]) == 2
     assert math.isclose(data["mfu"], data["model_flops"] / (data["iter_latency_s"] * 2 * 2e9))
     assert re.search(r"peak:\s+2.00 GFLOP/s per device \(flops_profiler.peak_flops\)", text)
+    per_rank_mfu = [f / (data["iter_latency_s"] * 2e9)
+                    for f in data["per_rank"]["model_flops_per_rank"]]
+    assert f"{min(per_rank_mfu):.2%} / {max(per_rank_mfu):.2%}" in lines["MFU per rank"]
+
+
+def test_transfers_print_where_the_engine_reports_them():
+    """issue 23's engine.transfer_report(), when it exists, prints beside the comm lines."""
+    report = get_model_profile(linear_only(), args=(torch.randn(3, 8),))
+    assert report.transfers is None and "transfers" not in str(report)
+    report = replace(report, transfers={"host_to_device": {"bytes": 10, "seconds": 0.5}})
+    assert re.search(r"^transfers host_to_device:\s+bytes 10, seconds 0.5$", str(report), re.M)

@@ -82,6 +82,7 @@ class ProfileReport:
     global_batch: int = 1
     tokens_per_sample: int = 1
     report_build_s: float = 0.0  # host seconds to build this report, after the step
+    transfers: dict[str, Any] | None = None  # engine.transfer_report(), where it exists
     modules: list[ModuleRow] = field(default_factory=list)
     rank_min_max: dict[str, list[float]] = field(default_factory=dict)
     per_rank: dict[str, list[float]] = field(default_factory=dict)
@@ -172,6 +173,7 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("peak", peak),
              _line("MFU: job / this rank", f"{_percent(r.mfu)} / {_percent(r.mfu_per_rank)}"),
              _line("HFU: job / this rank", f"{_percent(r.hfu)} / {_percent(r.hfu_per_rank)}"),
+             *per_rank_utilization(r),
              f"{'-' * 10} the profiled {step} {'-' * 10}",
              _line("fwd FLOPs per rank / model", f"{si(r.fwd_flops_per_rank)} / "
                    f"{si(r.fwd_flops_model)}"),
@@ -184,10 +186,29 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("fwd / bwd / step / whole profiled step",
                    " / ".join(seconds(x) for x in (r.fwd_latency_s, r.bwd_latency_s,
                                                    r.step_latency_s, r.profiled_step_s)))]
-    lines += comm_lines(r) + memory_lines(r)
+    lines += comm_lines(r) + transfer_lines(r) + memory_lines(r)
     for key, (lo, hi) in r.rank_min_max.items():
         lines.append(_line(f"min / max across ranks: {key}", f"{lo:.6g} / {hi:.6g}"))
     return lines
+
+
+def per_rank_utilization(r: ProfileReport) -> list[str]:
+    """min / max over ranks of MFU and HFU (each rank's FLOPs over the headline latency)."""
+    if r.peak_flops is None or len(r.per_rank.get("model_flops_per_rank", [])) < 2:
+        return []
+    lines = []
+    for name, key in (("MFU", "model_flops_per_rank"), ("HFU", "hardware_flops_per_rank")):
+        values = [f / (r.iter_latency_s * r.peak_flops) for f in r.per_rank[key]]
+        lines.append(_line(f"{name} per rank: min / max", f"{min(values):.2%} / {max(values):.2%}"))
+    return lines
+
+
+def transfer_lines(r: ProfileReport) -> list[str]:
+    """engine.transfer_report() of the profiled step, where the engine has one."""
+    return [_line(f"transfers {direction}", ", ".join(f"{k} {v:.6g}" if isinstance(v, float)
+                                                    else f"{k} {v}" for k, v in stats.items())
+                  if isinstance(stats, dict) else str(stats))
+            for direction, stats in (r.transfers or {}).items()]
 
 
 def comm_lines(r: ProfileReport) -> list[str]:

@@ -227,6 +227,7 @@ class StepProfiler:
             modules=module_rows(e.module, c, e.zero.held_numel_by_param()),
             rank_min_max={k: [min(per_rank[k]), max(per_rank[k])] for k in SPREAD_KEYS
                           if k != "reserved_memory_bytes" or reserved is not None},
+            transfers=e.transfer_report() if hasattr(e, "transfer_report") else None,
             per_rank=per_rank, profile_step=self.profile_step, module_depth=fcfg.module_depth,
             top_modules=fcfg.top_modules, detailed=fcfg.detailed, **UNSET_HEADLINE)
         return with_headline(report, profiled_s, [self.profile_step],
