@@ -84,6 +84,8 @@ def test_step_clock_steady_steps_skip_step_0_and_the_profiled_step():
     assert [s.step for s in clock.steady(10)] == [1, 2, 4, 5, 6]
     assert 0.002 <= clock.median(clock.steady(3)) < 0.02
     assert clock.last_seconds() >= 0.002
+    clock.close(7, profiled=False)  # never opened: 0 s, in no median
+    assert clock.last_seconds() == 0 and [s.step for s in clock.steady(3)] == [4, 5, 6]
 
 
 # --- peaks ------------------------------------------------------------------------------------

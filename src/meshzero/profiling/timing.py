@@ -81,6 +81,7 @@ class StepTime:
     start: Any
     end: Any
     profiled: bool
+    timed: bool = True  # False: no start mark
 
 
 class StepClock:
@@ -97,8 +98,11 @@ class StepClock:
         self._start = self.timeline.mark()
 
     def close(self, step: int, profiled: bool) -> None:
-        assert self._start is not None, "close() without open()"
-        self.steps.append(StepTime(step, self._start, self.timeline.mark(), profiled))
+        end = self.timeline.mark()
+        # a step whose window never opened (a backward outside engine.forward) has no start:
+        # it reads 0 s and never enters a median
+        timed = self._start is not None
+        self.steps.append(StepTime(step, self._start if timed else end, end, profiled, timed))
         self._start = None
 
     def seconds(self, record: StepTime) -> float:
@@ -112,7 +116,7 @@ class StepClock:
     def steady(self, k: int) -> list[StepTime]:
         """The last ``k`` unprofiled steps after step 0 (which records the unit order and
         warms the allocator up), oldest first."""
-        return [s for s in self.steps if not s.profiled and s.step >= 1][-k:]
+        return [s for s in self.steps if not s.profiled and s.timed and s.step >= 1][-k:]
 
     def median(self, records: list[StepTime]) -> float:
         return statistics.median(self.seconds(r) for r in records)
