@@ -15,6 +15,9 @@ Checks (each prints PASS/FAIL and a line of figures):
 4. ``nvme_offload``: the same with both on NVMe (files under a temporary directory).
 5. ``gpt_offload``: the benchmark GPT (~84 M) at ZeRO-3 with CPU offload, bf16: median step
    time and MFU from the flops profiler's FLOPs per step over the H200's dense bf16 peak.
+6. ``profiler_truth`` (``gpu_profiler_truth.py``): a 1.24 B GPT at ZeRO-3, bf16: the
+   profiler's headline latency against an outside timer, and the profiled step against the
+   median step, both within 5 %.
 
 6. ``offload_speed`` (``gpu_offload_speed.py``): a 1.28 B GPT, bf16, 8 x 1024, at ZeRO-2/3
    with the optimizer (and the parameters) offloaded: step time against the GPU-resident
@@ -40,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import build_model, gpt_spec, loss_fn, make_batches  # noqa: E402
 from gpu_offload_speed import check_offload_speed  # noqa: E402
+from gpu_profiler_truth import check_profiler_truth  # noqa: E402
 
 import meshzero  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
@@ -170,7 +174,8 @@ def check_gpt_offload(spec, device, steps):
 
 CHECKS = {"nccl": check_nccl, "bf16": check_bf16, "cpu_offload": check_cpu_offload,
           "nvme_offload": check_nvme_offload, "gpt_offload": check_gpt_offload,
-          "offload_speed": check_offload_speed}  # gpu_offload_speed.py: the 1.28 B GPT
+          "offload_speed": check_offload_speed,  # gpu_offload_speed.py: the 1.28 B GPT
+          "profiler_truth": check_profiler_truth}  # gpu_profiler_truth.py
 
 
 def main() -> int:

@@ -63,15 +63,18 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
         "flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": 2,
-                           "top_modules": 2, "output_file": args.json},
+                           "top_modules": 2, "output_file": args.json, "headline_steps": 3},
     }
     engine, *_ = meshzero.initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(2):  # step 0 warms up and records the unit order; step 1 is profiled
+    # step 0 warms up and records the unit order; step 1 is profiled; steps 2-4 are the
+    # headline's steady state, after which the report prints
+    for _ in range(5):
         x = torch.randn(args.batch, args.seq, args.hidden, generator=gen)
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()
+    engine.close()
     dist.destroy_process_group()
 
 

@@ -171,8 +171,12 @@ def _profiled(rank: int, world_size: int, stage: int, tp: int, pp: int) -> dict:
             engine.step()
     linear = sum(m.weight.numel() for m in engine.module.modules()
                  if isinstance(m, nn.Linear) or hasattr(m, "tp_layouts"))
+    # layers tp left whole: every tp rank runs them, model FLOPs count them once
+    whole = sum(m.weight.numel() for m in engine.module.modules()
+                if isinstance(m, nn.Linear) and not hasattr(m, "tp_layouts"))
     report = engine.last_profile
     return {"params_total": report.params_total, "params_per_rank": report.params_per_rank,
+            "whole": whole,
             "held": engine.zero.held_numel(), "fwd": report.fwd_flops_per_rank,
             "fwd_model": report.fwd_flops_model, "tokens_local": GLOBAL_BATCH // dp,
             "linear": linear, "sizes": (report.data_parallel_size,
@@ -191,7 +195,8 @@ def test_profiler_counts_what_each_rank_holds_and_computes(tmp_path, world, stag
         assert r["sizes"] == (world // (tp * pp), tp, pp)
         # forward FLOPs of this rank: 2 x its tokens x the Linear weights it holds
         assert r["fwd"] == 2 * r["tokens_local"] * r["linear"]
-        assert r["fwd_model"] == sum(q["fwd"] for q in results)
+        assert r["fwd_model"] == sum(q["fwd"] - 2 * q["tokens_local"] * q["whole"] * (tp - 1) / tp
+                                     for q in results)
     # stage 3 over dp=2 of a tp=2 model: each rank holds about psi / (tp * 2)
     if stage == 3:
         assert all(psi / 4 <= r["held"] <= psi / 2 for r in results)

@@ -45,8 +45,10 @@ PEAK = 1e9  # a fixed peak FLOP/s skips the CPU matmul measurement where MFU is 
 
 # --- shared rank-side helpers -------------------------------------------------------------------
 def _config(stage: int, global_batch: int, grad_accum: int = 1, **profiler) -> dict:
+    """Profile step 1; the report is final (printed) after one more unprofiled step."""
     return zero_config(stage, global_batch=global_batch, grad_accum=grad_accum,
-                       flops_profiler={"enabled": True, "profile_step": 1, **profiler})
+                       flops_profiler={"enabled": True, "profile_step": 1, "headline_steps": 1,
+                                       **profiler})
 
 
 def _regression(steps: int, global_batch: int, in_dim: int, out_dim: int) -> list:
@@ -321,11 +323,16 @@ SUMMARY_LINES = {  # label at the start of a line -> what the line must contain
     "params of the model:": "2.73 K", "params held by this rank at rest:": "",
     "peak of gathered params": "", "fwd FLOPs per rank / model:": "",
     "bwd FLOPs per rank / model:": "", "recompute FLOPs per rank:": "",
-    "optimizer-step FLOPs per rank:": "", "fwd / bwd / step / iteration latency:": "",
-    "achieved FLOP/s per rank:": "FLOP/s", "MFU:": "% of", "samples/s": "", "tokens/s": "",
+    "optimizer-step FLOPs per rank:": "", "fwd / bwd / step / whole profiled step:": "",
+    "headline from:": "median of 1 unprofiled", "iteration latency:": "",
+    "model FLOPs per step: job / this rank:": "", "hardware FLOPs per step: job / this rank:": "",
+    "achieved FLOP/s per rank: model / hardware:": "FLOP/s", "peak:": "unknown",
+    "MFU: job / this rank:": "unknown / unknown", "HFU: job / this rank:": "unknown / unknown",
+    "samples/s": "", "tokens/s": "", "profiled step overhead:": "x the headline's latency",
     "comm all_gather:": "ops", "comm reduce_scatter:": "ops", "comm hidden behind compute:": "%",
     "memory params:": "device", "memory grads:": "device", "memory optimizer_states:": "device",
     "measured peak memory:": "process peak RSS",
+    "  of which model states at rest / the rest:": "activations",
     "min / max across ranks: params_per_rank:": "", "min / max across ranks: fwd_flops": "",
 }
 JSON_KEYS = (  # item 6 of the issue
@@ -333,16 +340,17 @@ JSON_KEYS = (  # item 6 of the issue
     "zero_stage", "params_total", "params_per_rank", "gathered_params_peak",
     "fwd_flops_per_rank", "bwd_flops_per_rank", "fwd_flops_model", "fwd_latency_s",
     "bwd_latency_s", "step_latency_s", "iter_latency_s", "samples_per_second",
-    "tokens_per_second", "flops_per_second_per_rank", "mfu", "memory", "comm", "modules")
+    "tokens_per_second", "model_flops_per_second_per_rank", "mfu", "hfu", "memory", "comm",
+    "modules", "model_flops", "hardware_flops", "headline_steps", "profiled_step_overhead")
 INT_KEYS = ("params_total", "params_per_rank", "gathered_params_peak", "fwd_flops_per_rank",
             "bwd_flops_per_rank", "recompute_flops_per_rank", "step_flops_per_rank",
-            "fwd_flops_model", "bwd_flops_model")
+            "fwd_flops_model", "bwd_flops_model", "model_flops", "hardware_flops")
 
 
 def _printed(rank: int, world: int, output_file: str) -> tuple[str, ProfileReport]:
     torch.manual_seed(0)
     cfg = _config(3, 4 * world, module_depth=1, top_modules=2, output_file=output_file)
-    engine, _, text = _train(MLPStack(), cfg, _regression(2, 4 * world, 7, 5))
+    engine, _, text = _train(MLPStack(), cfg, _regression(3, 4 * world, 7, 5))
     return text, engine.last_profile
 
 
@@ -360,6 +368,7 @@ def test_summary_and_json_carry_every_number(tmp_path):
     assert "top 2 at depth 0: (root) 100.0%" in text and "top 2 at depth 1: blocks" in text
     assert "at depth 2" not in text
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("module ")) + 1:]
+    table = table[:table.index("")]  # the footer follows a blank line
     assert [row.split()[0] for row in table] == ["(root)", "input", "blocks", "head"]
 
     data = json.loads(path.read_text())
@@ -376,7 +385,8 @@ def test_summary_and_json_carry_every_number(tmp_path):
     assert [m["path"] for m in data["modules"]][:2] == ["", "input"]
     for key in ("fwd_latency_s", "bwd_latency_s", "step_latency_s", "iter_latency_s"):
         assert 0 < data[key] < 60, key
-    assert 0 < data["mfu"] < 1
+    assert data["mfu"] is None and data["hfu"] is None  # no peak for a CPU: unknown
+    assert data["headline_steps"] == [2] and data["headline_final"]
     assert data == json.loads(json.dumps(report.to_dict()))
 
 

@@ -24,7 +24,7 @@ from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
-from meshzero.profiling.step import StepProfiler, emit
+from meshzero.profiling.session import EngineProfiling
 from meshzero.topology import Topology
 from meshzero.zero.state import ZeroModelState
 
@@ -120,8 +120,7 @@ class Engine(nn.Module):
         # the global grad norm (unscaled, before clipping) of the last step, when clipping
         # computed one (None: no clipping, an fp16 overflow, or no step yet)
         self.last_grad_norm: float | None = None
-        self._profiler: StepProfiler | None = None
-        self.last_profile: ProfileReport | None = None  # the report of the profiled step
+        self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
         self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)
@@ -174,10 +173,7 @@ class Engine(nn.Module):
         self.comm_stats.step = self.global_steps  # named by a collective that fails
         self.comm_stats.reset()
         self.zero.memory.reset_peak()
-        fcfg = self.config.flops_profiler
-        if fcfg.enabled and self.global_steps == fcfg.profile_step:
-            self._profiler = StepProfiler(self, fcfg.profile_step)
-            self._profiler.start(args, kwargs or {})
+        self.profiling.open_step(self.global_steps, args, kwargs or {})
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Pipeline parallelism: one optimizer step over ``micro_batches`` micro-batches of
@@ -198,8 +194,8 @@ class Engine(nn.Module):
         self._open_window()
         self.comm_stats.phase = "backward"  # forward and backward interleave in a schedule
         pipe.loss_scale = self.loss_scaler.scale
-        hooks = [] if self._profiler is None else stage_phase_hooks(
-            pipe, self._profiler.counter.set_phase)
+        hooks = [] if self.profiling.profiler is None else stage_phase_hooks(
+            pipe, self.profiling.set_phase)
         try:
             with self.zero.gradients_held():  # grads accumulate over the micro-batches
                 loss = pipe.step(inputs, targets, broadcast_loss=True)
@@ -221,8 +217,7 @@ class Engine(nn.Module):
         if torch.is_grad_enabled():
             self._open_window(args, kwargs)
         self.comm_stats.phase = "forward"
-        if self._profiler is not None:
-            self._profiler.counter.set_phase("forward")
+        self.profiling.set_phase("forward")
         t0 = time.perf_counter()
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
@@ -236,8 +231,7 @@ class Engine(nn.Module):
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
-        if self._profiler is not None:
-            self._profiler.counter.set_phase("backward")
+        self.profiling.set_phase("backward")
         step_scale = None
         if (self.overlap_offload_step and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled):
@@ -249,8 +243,7 @@ class Engine(nn.Module):
             self.guard.seed(loss))  # NaN for an inf/nan loss: its step is then skipped
         if self.monitor is not None:
             self._step_loss += loss.detach().float().item() / self.grad_accum
-        if self._profiler is not None:
-            self._profiler.counter.end_backward()
+        self.profiling.end_backward()
         self.zero.finish_backward()
         self._times["backward"] += time.perf_counter() - t0
         return loss
@@ -273,8 +266,7 @@ class Engine(nn.Module):
             return False
         t0 = time.perf_counter()
         self.comm_stats.phase = "step"
-        if self._profiler is not None:
-            self._profiler.counter.set_phase("step")
+        self.profiling.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
         self.last_grad_norm = None
@@ -321,10 +313,7 @@ class Engine(nn.Module):
         self._last_comm = self.comm_stats.by_op()
         self.zero.close_transfer_window()
         self._last_peak = self.zero.memory.peak
-        if self._profiler is not None:
-            self.last_profile = self._profiler.finish(dict(self._times))
-            self._profiler = None
-            emit(self.last_profile, self.config.flops_profiler.output_file)
+        self.profiling.close_step(self.global_steps - 1)
         if self.global_steps % self.config.steps_per_print == 0:
             logger.info("step %d lr %s loss_scale %g", self.global_steps, self.get_lr(),
                         self.loss_scaler.scale)
@@ -350,7 +339,7 @@ class Engine(nn.Module):
         if self.monitor is not None:
             self.monitor.write(step_events(StepRecord(
                 samples, self._step_loss, self.get_lr()[0], self.loss_scaler.scale,
-                self.skipped_steps, sum(self._times.values()), self.last_grad_norm,
+                self.skipped_steps, self.profiling.clock.last_seconds(), self.last_grad_norm,
                 self.memory_report(), self.comm_report())) + events)
 
     def gathered(self, params: Iterable[torch.Tensor]):
@@ -362,6 +351,11 @@ class Engine(nn.Module):
         return self.zero.gathered(params)
 
     # -- reports ---------------------------------------------------------------------------------
+    @property
+    def last_profile(self) -> ProfileReport | None:
+        """The flops profiler's report (docs/profiling.md: when its headline is final)."""
+        return self.profiling.report
+
     def memory_report(self) -> dict:
         """Bytes this rank holds at rest: ``{category: {"device", "host", "nvme"}}`` for
         params, master_params, grads and optimizer_states, plus ``gathered_params_peak`` (the
@@ -390,6 +384,7 @@ class Engine(nn.Module):
         (it may wait on collectives), or use ``with engine:``. Optional: what it releases is
         released at exit too (docs/lifecycle.md). Idempotent."""
         self._finalizer.detach()
+        self.profiling.close()  # a report still waiting for steady steps takes those there are
         release(self.comm_stats, self.zero, block=True)
         if self.monitor is not None:
             self.monitor.close()
@@ -400,6 +395,8 @@ class Engine(nn.Module):
     def __exit__(self, exc_type, exc, tb) -> None:
         # on an error a peer may never join a collective in flight: release, do not wait
         self._finalizer.detach()
+        if exc_type is None:
+            self.profiling.close()
         release(self.comm_stats, self.zero, block=exc_type is None)
         if self.monitor is not None:
             self.monitor.close()

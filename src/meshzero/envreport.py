@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import meshzero
-from meshzero.profiling.flops import device_peak_flops
+from meshzero.profiling.peaks import device_peak_flops, measure_cpu_matmul_flops
 from meshzero.profiling.report import si
 
 SCRATCH_PATHS = ("/tmp", "/local_nvme", "/nvme", "/scratch", "/mnt")
@@ -78,14 +78,15 @@ def device_rows(measure_cpu: bool = True) -> list[Row]:
             props = torch.cuda.get_device_properties(device)
             peak, source = device_peak_flops(device, None)
             rows.append((f"cuda:{i}", f"{props.name}, {si(props.total_memory, 'B')}"))
-            rows.append((f"cuda:{i} peak FLOP/s", f"{si(peak, 'FLOP/s')} ({source})"))
+            rows.append((f"cuda:{i} peak FLOP/s",
+                         source if peak is None else f"{si(peak, 'FLOP/s')} ({source})"))
     cpu = platform.processor() or platform.machine()
     rows.append(("cpu", f"{cpu}, {os.cpu_count()} logical cores, "
                         f"{torch.backends.cpu.get_cpu_capability()} kernels, "
                         f"torch uses {torch.get_num_threads()} threads"))
     if measure_cpu:
-        peak, source = device_peak_flops(torch.device("cpu"), None)
-        rows.append(("cpu peak FLOP/s", f"{si(peak, 'FLOP/s')} ({source}, "
+        rows.append(("cpu peak FLOP/s", f"{si(measure_cpu_matmul_flops(), 'FLOP/s')} (fp32 "
+                                        f"matmul measured on this CPU, "
                                         f"{torch.get_num_threads()} threads)"))
     return rows
 

@@ -13,8 +13,10 @@ class FlopsProfilerConfig(Section):
 
     meshzero measures activation-checkpoint recomputation, so recompute_fwd_factor (an
     assumed factor in DeepSpeed) must stay 0. peak_flops is meshzero's own key: the peak
-    FLOP/s of one rank's device for MFU (default: a table of known GPUs, or a short matmul
-    measured once on CPU)."""
+    FLOP/s of one rank's device for MFU and HFU (default: a table of known devices matched on
+    the device name; unknown on CPU). headline_steps (meshzero's own, K): the report's
+    latency, throughput, MFU and HFU are the median of the last K unprofiled steps after
+    step 0."""
 
     enabled: Bool = False
     profile_step: Annotated[Int, Field(ge=-1)] = 1  # -1: never (DeepSpeed's "off")
@@ -24,6 +26,7 @@ class FlopsProfilerConfig(Section):
     output_file: Annotated[str, Strict(), Field(min_length=1)] | None = None
     recompute_fwd_factor: NonNegFloat = 0.0
     peak_flops: PosFloat | None = None
+    headline_steps: PosInt = 5
 
     @field_validator("recompute_fwd_factor")
     @classmethod

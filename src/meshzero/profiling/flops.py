@@ -16,7 +16,6 @@ every active module, so a module's count includes its descendants.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -25,6 +24,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from meshzero.profiling.timing import CpuTimeline, Timeline
 
 aten = torch.ops.aten
 
@@ -37,13 +38,36 @@ def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, *
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
+def _shape(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if isinstance(x, tuple | list):
+        return [_shape(i) for i in x] if isinstance(x, list) else tuple(_shape(i) for i in x)
+    return x
+
+
+def _on_shapes(formula: Any) -> Any:
+    """torch's formulas take shapes; its wrapper converts arguments with a pytree map, which
+    costs more than the op on small tensors. The same conversion, without the pytree."""
+    raw = getattr(formula, "__wrapped__", None)
+    if raw is None:  # registered raw: it takes the tensors themselves
+        return formula
+
+    def on_shapes(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return raw(*[_shape(a) for a in args], out_shape=_shape(out_val),
+                   **{k: _shape(v) for k, v in kwargs.items()})
+    return on_shapes
+
+
 FORMULAS: dict[Any, Any] = {
-    **flop_registry,
+    **{op: _on_shapes(f) for op, f in flop_registry.items()},
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
 }
 
 PHASES = ("forward", "backward", "recompute", "step")
+_UNSEEN = object()
+TOTAL, REPLICATED = "__total__", "__replicated__"  # counts keys beside module paths
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -65,14 +89,29 @@ class Seconds(dict[str, float]):
 
 
 class _CountingMode(TorchDispatchMode):
+    """Runs every op and counts the FLOPs of those with a formula. Its cost is per op, on the
+    host; the op itself runs as it would (asynchronously on CUDA)."""
+
     def __init__(self, counter: FlopCounter):
         super().__init__()
         self.counter = counter
+        self.formulas: dict[int, Any] = {}
+        self.seen: list[Any] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in a dynamo-disabling frame per op; nothing
+        # is compiled here, and that frame costs more than counting
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = FORMULAS.get(func._overloadpacket)
+        # keyed by the overload's id (a long-lived singleton): hashing the op costs a call
+        formula = self.formulas.get(id(func), _UNSEEN)
+        if formula is _UNSEEN:
+            formula = self.formulas[id(func)] = FORMULAS.get(func._overloadpacket)
+            self.seen.append(func)  # keeps the id valid
         if formula is not None:
             self.counter.add(int(formula(*args, **kwargs, out_val=out)))
         return out
@@ -82,18 +121,26 @@ class FlopCounter:
     """Counts FLOPs and module latency of ``root`` while started; no hooks otherwise.
 
     ``counts[phase][path]`` are FLOPs (path ``""`` is the root, i.e. the whole model);
-    ``latency[phase][path]`` seconds spent inside the module in that phase.
+    ``latency[phase][path]`` seconds spent inside the module in that phase, read from the
+    ``timeline``'s marks by :meth:`stop` (one wait for the last mark, none per module).
+    ``replicated``: paths of modules every tensor-parallel rank runs whole (their FLOPs are
+    also counted under ``REPLICATED``, so model FLOPs can count them once).
     """
 
-    def __init__(self, root: nn.Module, sync=None):
+    def __init__(self, root: nn.Module, timeline: Timeline | None = None,
+                 replicated: frozenset[str] = frozenset()):
         self.root = root
-        self.sync = sync or (lambda: None)  # torch.cuda.synchronize on GPU
+        self.timeline: Timeline = timeline or CpuTimeline()
+        self.replicated = replicated
         self.paths = {m: p for p, m in root.named_modules()}
         self.counts: dict[str, Counter[str]] = {ph: Counter() for ph in PHASES}
         self.latency: dict[str, Seconds] = {ph: Seconds() for ph in PHASES}
         self.phase = "forward"
-        self._active: Counter[str] = Counter()
-        self._entered: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self._active: dict[str, int] = {}  # path -> open scopes (only paths with some open)
+        self._entered: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        self._intervals: list[tuple[str, str, Any, Any]] = []  # (phase, path, start, end)
+        self._phase_marks: list[tuple[str, Any]] = []
+        self.phase_latency = Seconds()  # seconds per phase, from set_phase's marks
         self._forward_depth = 0
         self._handles: list[Any] = []
         self._mode: _CountingMode | None = None
@@ -106,27 +153,42 @@ class FlopCounter:
         self._mode = _CountingMode(self)
         self._mode.__enter__()
 
-    def stop(self) -> None:
+    def stop(self, end: Any = None) -> None:
+        """Remove every hook, then read the marks into ``latency`` and ``phase_latency``;
+        ``end`` (default: now) is the mark that ends the last phase. Waits once, for it."""
+        end = self.timeline.mark() if end is None else end
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.timeline.wait(end)
+        seconds = self.timeline.seconds
+        for phase, path, start, stop in self._intervals:
+            self.latency[phase][path] += seconds(start, stop)
+        self._intervals.clear()
+        ends = [m for _, m in self._phase_marks[1:]] + [end]
+        for (phase, start), stop in zip(self._phase_marks, ends, strict=True):
+            self.phase_latency[phase] += seconds(start, stop)
+        self._phase_marks.clear()
 
     def set_phase(self, phase: str) -> None:
-        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward."""
+        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward.
+        Each call marks the timeline: the time until the next call (or ``stop``) is the
+        phase's."""
         self.end_backward()
         self.phase = phase
+        self._phase_marks.append((phase, self.timeline.mark()))
 
     def end_backward(self) -> None:
         """Close backward scopes still open when autograd returns: a module whose inputs need
         no grad never reports the end of its backward, which ends with autograd's."""
-        self.sync()
-        now = time.perf_counter()
-        for (ph, path), starts in self._entered.items():
-            if ph == "backward" and starts:
-                self.latency[ph][path] += sum(now - t for t in starts)
+        if self._entered:
+            now = self.timeline.mark()
+            for (ph, path), starts in self._entered.items():
+                if ph == "backward":
+                    self._intervals += [(ph, path, t, now) for t in starts]
         self._entered.clear()
         self._active.clear()
 
@@ -138,23 +200,27 @@ class FlopCounter:
 
     def add(self, flops: int) -> None:
         counts = self.counts[self._current_phase()]
-        counts["__total__"] += flops
-        for path, n in self._active.items():
-            if n > 0:
-                counts[path] += flops
+        counts[TOTAL] += flops
+        replicated = False
+        for path in self._active:
+            counts[path] += flops
+            replicated = replicated or path in self.replicated
+        if replicated:  # inside a module every tp rank runs whole
+            counts[REPLICATED] += flops
 
     def _enter(self, phase: str, path: str) -> None:
-        self._active[path] += 1
-        self.sync()
-        self._entered[(phase, path)].append(time.perf_counter())
+        self._active[path] = self._active.get(path, 0) + 1
+        self._entered[(phase, path)].append(self.timeline.mark())
 
     def _exit(self, phase: str, path: str) -> None:
-        if self._active[path] > 0:
-            self._active[path] -= 1
+        n = self._active.get(path, 0)
+        if n > 1:
+            self._active[path] = n - 1
+        elif n == 1:
+            del self._active[path]
         starts = self._entered.get((phase, path))
         if starts:
-            self.sync()
-            self.latency[phase][path] += time.perf_counter() - starts.pop()
+            self._intervals.append((phase, path, starts.pop(), self.timeline.mark()))
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         path = self.paths[module]
@@ -165,8 +231,7 @@ class FlopCounter:
         # backward scopes come from hooks set in the original forward; the recomputed graph
         # is consumed by the original one, so its own hooks are not needed
         if inputs and torch.is_grad_enabled() and not in_backward:
-            self._handles.append(register_multi_grad_hook(
-                inputs, lambda _g, p=path: self._exit("backward", p), mode="any"))
+            self._on_first_grad(inputs, lambda p=path: self._exit("backward", p))
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         path = self.paths[module]
@@ -175,44 +240,24 @@ class FlopCounter:
         self._exit("recompute" if in_backward else "forward", path)
         outputs = _tensors(output)
         if outputs and torch.is_grad_enabled() and not in_backward:
-            self._handles.append(register_multi_grad_hook(
-                outputs, lambda _g, p=path: self._enter("backward", p), mode="any"))
+            self._on_first_grad(outputs, lambda p=path: self._enter("backward", p))
+
+    def _on_first_grad(self, tensors: list[torch.Tensor], fn) -> None:
+        """``fn()`` when the first of ``tensors`` gets its gradient in a backward. One tensor
+        (the usual module input or output) takes a plain tensor hook, much cheaper than a
+        multi-grad hook: its gradient is computed once per backward."""
+        if len(tensors) == 1:
+            self._handles.append(tensors[0].register_hook(lambda _g: fn()))
+        else:
+            self._handles.append(register_multi_grad_hook(tensors, lambda _g: fn(), mode="any"))
 
     # -- results -------------------------------------------------------------------------------
     def total(self, phase: str) -> int:
-        return self.counts[phase]["__total__"]
+        return self.counts[phase][TOTAL]
+
+    def replicated_total(self, phase: str) -> int:
+        """FLOPs of ``phase`` run inside a tp-replicated module (every tp rank runs them)."""
+        return self.counts[phase][REPLICATED]
 
     def module_flops(self, phase: str, path: str) -> int:
         return self.counts[phase][path]
-
-
-def measure_cpu_peak_flops(seconds: float = 0.2, n: int = 512) -> float:
-    """FLOP/s of fp32 matmuls on this process's threads, measured once (a CPU 'peak')."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up
-    iters, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        torch.mm(a, b)
-        iters += 1
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
-
-
-# Dense bf16 tensor-core peak FLOP/s per GPU (vendor datasheets, without sparsity).
-GPU_PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12,
-    "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12,
-    "V100": 125e12, "B200": 2250e12, "MI300X": 1307e12, "MI250X": 383e12,
-}
-
-
-def device_peak_flops(device: torch.device, user_value: float | None) -> tuple[float, str]:
-    """(peak FLOP/s of one rank's device, where the number comes from)."""
-    if user_value is not None:
-        return user_value, "config flops_profiler.peak_flops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
-            if key in name:
-                return GPU_PEAK_FLOPS[key], f"datasheet bf16 peak of {key}"
-        return float("nan"), f"unknown GPU {name!r}: set flops_profiler.peak_flops"
-    return measure_cpu_peak_flops(), "fp32 matmul measured on this CPU"

@@ -5,8 +5,9 @@ written from rank 0 to TensorBoard, Weights & Biases and CSV files as the config
 The events keep DeepSpeed's names and x axis (samples seen so far): Train/Samples/train_loss
 (the mean loss of the step's micro-batches), Train/Samples/lr (first param group),
 Train/Samples/loss_scale, plus meshzero's own under the same prefix: skipped_steps (fp16
-overflows so far), step_time (seconds of forward, backward and step), grad_norm (the global
-norm before clipping; only when gradient_clipping computes it), memory_{device,host,nvme}_bytes
+overflows so far), step_time (the step clock's seconds of the step, timing.py), grad_norm
+(the global norm before clipping; only when gradient_clipping computes it),
+memory_{device,host,nvme}_bytes
 (engine.memory_report() summed by tier), memory_gathered_peak_bytes, and
 comm_{intra,inter}_node_bytes (engine.comm_report() of the step). With comms_logger enabled,
 Comms/<op>/<group>/{count,bytes,seconds} too. CSV needs nothing installed; TensorBoard needs

@@ -25,6 +25,12 @@ class ModuleRow:
 
 @dataclass
 class ProfileReport:
+    """One profiled step beside the steady-state headline; see docs/profiling.md for where
+    each figure comes from. FLOPs: ``*_flops_per_rank`` are what this rank executed;
+    ``model_flops`` counts the model once (one plain forward and backward of the global
+    batch: tp-replicated work once, recomputation excluded), ``hardware_flops`` what all
+    ranks executed (replicated and recomputed work included)."""
+
     world_size: int
     data_parallel_size: int
     tensor_parallel_size: int
@@ -38,35 +44,75 @@ class ProfileReport:
     bwd_flops_per_rank: int
     recompute_flops_per_rank: int
     step_flops_per_rank: int
+    replicated_flops_per_rank: int  # fwd + bwd inside tp-replicated modules
     fwd_flops_model: int
     bwd_flops_model: int
+    model_flops_per_rank: int
+    hardware_flops_per_rank: int
+    model_flops: int
+    hardware_flops: int
+    # the profiled step (its module breakdown is ``modules``)
     fwd_latency_s: float
     bwd_latency_s: float
     step_latency_s: float
+    profiled_step_s: float
+    # the headline: steady state, from ``headline_steps`` (see ``headline_source``)
     iter_latency_s: float
+    headline_steps: list[int]
+    headline_source: str
+    headline_final: bool
     samples_per_second: float
     tokens_per_second: float
-    flops_per_second_per_rank: float
-    peak_flops: float
+    model_flops_per_second_per_rank: float
+    hardware_flops_per_second_per_rank: float
+    peak_flops: float | None
     peak_flops_source: str
-    mfu: float
+    mfu: float | None  # the job's; None when the peak is unknown
+    hfu: float | None
+    mfu_per_rank: float | None  # this rank's
+    hfu_per_rank: float | None
+    profiled_step_overhead: float  # profiled_step_s / iter_latency_s
     memory: dict[str, Any]
     peak_memory_bytes: int
     peak_memory_source: str
+    reserved_memory_bytes: int | None  # CUDA allocator's reserved peak; None on CPU
+    model_state_bytes: int  # memory_report()'s device tier at rest
     comm: dict[str, Any]
     comm_hidden_fraction: float | None
+    global_batch: int = 1
+    tokens_per_sample: int = 1
+    report_build_s: float = 0.0  # host seconds to build this report, after the step
+    transfers: dict[str, Any] | None = None  # engine.transfer_report(), where it exists
     modules: list[ModuleRow] = field(default_factory=list)
     rank_min_max: dict[str, list[float]] = field(default_factory=dict)
+    per_rank: dict[str, list[float]] = field(default_factory=dict)
     profile_step: int | None = None
     module_depth: int = -1
     top_modules: int = 1
     detailed: bool = True
 
+    @property
+    def other_memory_bytes(self) -> int:
+        """Of the measured peak, what is not model states at rest: activations, gathered
+        parameters, communication and allocator buffers (on CPU, the process itself too)."""
+        return self.peak_memory_bytes - self.model_state_bytes
+
+    def headline(self) -> dict[str, Any]:
+        """The steady-state figures, by the names profile.json and the monitors use."""
+        return {k: getattr(self, k) for k in HEADLINE_KEYS}
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "other_memory_bytes": self.other_memory_bytes}
 
     def __str__(self) -> str:
-        return "\n".join(summary_lines(self) + module_lines(self))
+        return "\n".join(summary_lines(self) + module_lines(self) + footer_lines(self))
+
+
+HEADLINE_KEYS = ("iter_latency_s", "samples_per_second", "tokens_per_second",
+                 "model_flops_per_second_per_rank", "hardware_flops_per_second_per_rank",
+                 "mfu", "hfu", "mfu_per_rank", "hfu_per_rank", "profiled_step_s",
+                 "profiled_step_overhead", "peak_memory_bytes", "model_state_bytes",
+                 "other_memory_bytes")
 
 
 def si(value: float, unit: str = "") -> str:
@@ -91,10 +137,18 @@ def _line(label: str, text: str) -> str:
     return f"{label + ':':<56}{text}"
 
 
+def _percent(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2%}"
+
+
 def summary_lines(r: ProfileReport) -> list[str]:
     title = "meshzero profile" + (f" of step {r.profile_step}" if r.profile_step is not None
                                   else "")
-    lines = [f"{'-' * 20} {title} {'-' * 20}", "(per rank unless it says model)",
+    step = "call" if r.profile_step is None else f"step {r.profile_step}"
+    peak = (f"{si(r.peak_flops, 'FLOP/s')} per device ({r.peak_flops_source})"
+            if r.peak_flops is not None else r.peak_flops_source)
+    lines = [f"{'-' * 20} {title} {'-' * 20}",
+             "(per rank unless it says model or job)",
              _line("world size", str(r.world_size)),
              _line("data-parallel size", str(r.data_parallel_size)),
              _line("tensor-parallel size", str(r.tensor_parallel_size)),
@@ -104,25 +158,57 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("params held by this rank at rest",
                    f"{si(r.params_per_rank)} (shards + persistent, padding included)"),
              _line("peak of gathered params in the step", si(r.gathered_params_peak)),
+             f"{'-' * 10} headline: steady state {'-' * 10}",
+             _line("headline from", r.headline_source),
+             _line("iteration latency", seconds(r.iter_latency_s)),
+             _line("samples/s (all data-parallel ranks)", f"{r.samples_per_second:.2f}"),
+             _line("tokens/s (all data-parallel ranks)", f"{r.tokens_per_second:.2f}"),
+             _line("model FLOPs per step: job / this rank",
+                   f"{si(r.model_flops)} / {si(r.model_flops_per_rank)}"),
+             _line("hardware FLOPs per step: job / this rank",
+                   f"{si(r.hardware_flops)} / {si(r.hardware_flops_per_rank)}"),
+             _line("achieved FLOP/s per rank: model / hardware",
+                   f"{si(r.model_flops_per_second_per_rank, 'FLOP/s')} / "
+                   f"{si(r.hardware_flops_per_second_per_rank, 'FLOP/s')}"),
+             _line("peak", peak),
+             _line("MFU: job / this rank", f"{_percent(r.mfu)} / {_percent(r.mfu_per_rank)}"),
+             _line("HFU: job / this rank", f"{_percent(r.hfu)} / {_percent(r.hfu_per_rank)}"),
+             *per_rank_utilization(r),
+             f"{'-' * 10} the profiled {step} {'-' * 10}",
              _line("fwd FLOPs per rank / model", f"{si(r.fwd_flops_per_rank)} / "
                    f"{si(r.fwd_flops_model)}"),
              _line("bwd FLOPs per rank / model", f"{si(r.bwd_flops_per_rank)} / "
                    f"{si(r.bwd_flops_model)}"),
              _line("recompute FLOPs per rank", si(r.recompute_flops_per_rank)),
+             _line("tp-replicated FLOPs per rank", si(r.replicated_flops_per_rank)),
              _line("optimizer-step FLOPs per rank",
                    f"{si(r.step_flops_per_rank)} (matmul-class ops only, as torch counts)"),
-             _line("fwd / bwd / step / iteration latency",
+             _line("fwd / bwd / step / whole profiled step",
                    " / ".join(seconds(x) for x in (r.fwd_latency_s, r.bwd_latency_s,
-                                                   r.step_latency_s, r.iter_latency_s))),
-             _line("achieved FLOP/s per rank", si(r.flops_per_second_per_rank, "FLOP/s")),
-             _line("MFU", f"{r.mfu:.2%} of {si(r.peak_flops, 'FLOP/s')} ({r.peak_flops_source})"
-                   if r.mfu == r.mfu else f"n/a ({r.peak_flops_source})"),
-             _line("samples/s (all data-parallel ranks)", f"{r.samples_per_second:.2f}"),
-             _line("tokens/s (all data-parallel ranks)", f"{r.tokens_per_second:.2f}")]
-    lines += comm_lines(r) + memory_lines(r)
+                                                   r.step_latency_s, r.profiled_step_s)))]
+    lines += comm_lines(r) + transfer_lines(r) + memory_lines(r)
     for key, (lo, hi) in r.rank_min_max.items():
         lines.append(_line(f"min / max across ranks: {key}", f"{lo:.6g} / {hi:.6g}"))
     return lines
+
+
+def per_rank_utilization(r: ProfileReport) -> list[str]:
+    """min / max over ranks of MFU and HFU (each rank's FLOPs over the headline latency)."""
+    if r.peak_flops is None or len(r.per_rank.get("model_flops_per_rank", [])) < 2:
+        return []
+    lines = []
+    for name, key in (("MFU", "model_flops_per_rank"), ("HFU", "hardware_flops_per_rank")):
+        values = [f / (r.iter_latency_s * r.peak_flops) for f in r.per_rank[key]]
+        lines.append(_line(f"{name} per rank: min / max", f"{min(values):.2%} / {max(values):.2%}"))
+    return lines
+
+
+def transfer_lines(r: ProfileReport) -> list[str]:
+    """engine.transfer_report() of the profiled step, where the engine has one."""
+    return [_line(f"transfers {direction}", ", ".join(f"{k} {v:.6g}" if isinstance(v, float)
+                                                    else f"{k} {v}" for k, v in stats.items())
+                  if isinstance(stats, dict) else str(stats))
+            for direction, stats in (r.transfers or {}).items()]
 
 
 def comm_lines(r: ProfileReport) -> list[str]:
@@ -145,6 +231,12 @@ def memory_lines(r: ProfileReport) -> list[str]:
             lines.append(_line(f"memory {category}", text))
     lines.append(_line("measured peak memory", f"{si(r.peak_memory_bytes, 'B')} "
                        f"({r.peak_memory_source})"))
+    lines.append(_line("  of which model states at rest / the rest",
+                       f"{si(r.model_state_bytes, 'B')} / {si(r.other_memory_bytes, 'B')} "
+                       "(activations, gathered params, buffers)"))
+    if r.reserved_memory_bytes is not None:
+        lines.append(_line("reserved by the CUDA allocator (peak)",
+                           si(r.reserved_memory_bytes, "B")))
     return lines
 
 
@@ -170,3 +262,11 @@ def module_lines(r: ProfileReport) -> list[str]:
                      f"{si(m.fwd_flops):>12}{si(m.bwd_flops):>12}{seconds(m.fwd_latency_s):>11}"
                      f"{seconds(m.bwd_latency_s):>11}{m.fwd_flops / total:>8.1%}")
     return lines
+
+
+def footer_lines(r: ProfileReport) -> list[str]:
+    return ["", _line("profiled step overhead",
+                      f"{r.profiled_step_overhead:.3f}x the headline's latency "
+                      f"({seconds(r.profiled_step_s)} vs {seconds(r.iter_latency_s)}; "
+                      "hooks, FLOP counting and timing marks)"),
+            _line("building this report, after the step", seconds(r.report_build_s))]

@@ -12,16 +12,21 @@ import json
 import logging
 import math
 import resource
-import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshzero.comm import CommStats, Communicator
-from meshzero.profiling.flops import FlopCounter, device_peak_flops
+from meshzero.parallel.shards import is_tp_sharded
+from meshzero.profiling.flops import FlopCounter
+from meshzero.profiling.monitor import tier_bytes
+from meshzero.profiling.peaks import device_peak_flops
 from meshzero.profiling.report import ModuleRow, ProfileReport
+from meshzero.profiling.timing import StepClock, StepTime, Timeline, timeline_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +58,24 @@ def model_numel(engine) -> int:
     return round(total.item())
 
 
-def peak_memory(device: torch.device) -> tuple[int, str]:
+def peak_memory(device: torch.device) -> tuple[int, int | None, str]:
+    """(peak bytes, reserved peak bytes or None, where from): on CUDA the allocator's peaks
+    since the profiled step began; on CPU the process's peak RSS (there is no allocator)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
+        return (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+                "CUDA allocator peak during the profiled step")
     # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None, "process peak RSS"
+
+
+def replicated_modules(root: nn.Module, tp_size: int) -> frozenset[str]:
+    """Paths of modules every tensor-parallel rank runs whole: parameters, none of them a tp
+    slice (an unsharded head, norms). Their FLOPs count once in model FLOPs."""
+    if tp_size == 1:
+        return frozenset()
+    return frozenset(path for path, m in root.named_modules()
+                     if (params := list(m.parameters()))
+                     and not any(is_tp_sharded(p) for p in params))
 
 
 def tokens_per_sample(args: tuple, kwargs: dict) -> int:
@@ -95,63 +113,97 @@ def module_rows(root: nn.Module, counter: FlopCounter, held: dict[int, int]) -> 
     return list(reversed(rows.values()))
 
 
-def _gather_rank_numbers(values: dict[str, float], group,
-                         device: torch.device) -> dict[str, list[float]]:
-    """min, max and sum of every value over the ranks of ``group`` (one all-gather; on the
-    rank's device, since NCCL cannot gather CPU tensors)."""
-    local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    world = 1 if not dist.is_initialized() else dist.get_world_size(group)
+def gather_rank_numbers(values: dict[str, float], device: torch.device) -> dict[str, list[float]]:
+    """Every rank's value of every key, in rank order (one all-gather over the world; on the
+    rank's device, since NCCL cannot gather CPU tensors; counted apart from the step)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return {k: [v, v, v] for k, v in values.items()}
+        return {k: [float(v)] for k, v in values.items()}
+    local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     out = torch.empty(world * local.numel(), dtype=torch.float64, device=device)
-    Communicator(group or dist.group.WORLD, "profiler", CommStats()).all_gather(out, local).wait()
-    table = out.view(world, -1)
-    return {k: [table[:, i].min().item(), table[:, i].max().item(), table[:, i].sum().item()]
-            for i, k in enumerate(values)}
+    Communicator(dist.group.WORLD, "profiler", CommStats()).all_gather(out, local).wait()
+    table = out.view(world, -1).cpu()
+    return {k: table[:, i].tolist() for i, k in enumerate(values)}
+
+
+def flop_figures(counter: FlopCounter, tp_size: int) -> dict[str, Any]:
+    """This rank's FLOPs: executed (hardware: fwd + bwd + recompute) and the model's share
+    (fwd + bwd, work run whole on every tp rank counted 1/tp here, so the sum over ranks
+    counts it once)."""
+    once = (tp_size - 1) / tp_size
+    fwd, bwd = counter.total("forward"), counter.total("backward")
+    fwd_model = round(fwd - once * counter.replicated_total("forward"))
+    bwd_model = round(bwd - once * counter.replicated_total("backward"))
+    return {"fwd_flops_per_rank": fwd, "bwd_flops_per_rank": bwd,
+            "recompute_flops_per_rank": counter.total("recompute"),
+            "replicated_flops_per_rank": counter.replicated_total("forward")
+            + counter.replicated_total("backward"),
+            "fwd_flops_model_rank": fwd_model, "bwd_flops_model_rank": bwd_model,
+            "model_flops_per_rank": fwd_model + bwd_model,
+            "hardware_flops_per_rank": fwd + bwd + counter.total("recompute")}
+
+
+def with_headline(r: ProfileReport, latency_s: float, steps: list[int], source: str,
+                  final: bool) -> ProfileReport:
+    """``r`` with its headline from a steady-state iteration latency: throughput, FLOP/s,
+    MFU and HFU (job: all ranks' FLOPs over world size x peak; per rank: this rank's)."""
+    peak = r.peak_flops
+
+    def utilization(flops: float, devices: int) -> float | None:
+        return None if peak is None else flops / (latency_s * devices * peak)
+
+    samples = r.global_batch / latency_s
+    return replace(
+        r, iter_latency_s=latency_s, headline_steps=steps, headline_source=source,
+        headline_final=final, samples_per_second=samples,
+        tokens_per_second=samples * r.tokens_per_sample,
+        model_flops_per_second_per_rank=r.model_flops_per_rank / latency_s,
+        hardware_flops_per_second_per_rank=r.hardware_flops_per_rank / latency_s,
+        mfu=utilization(r.model_flops, r.world_size),
+        hfu=utilization(r.hardware_flops, r.world_size),
+        mfu_per_rank=utilization(r.model_flops_per_rank, 1),
+        hfu_per_rank=utilization(r.hardware_flops_per_rank, 1),
+        profiled_step_overhead=r.profiled_step_s / latency_s)
 
 
 class StepProfiler:
-    """Collects one step of an engine; :meth:`finish` returns the report."""
+    """Collects one step of an engine; :meth:`finish` returns the report, its headline
+    still the profiled step's own until :func:`with_headline` gives the steady state."""
 
-    def __init__(self, engine, profile_step: int):
+    def __init__(self, engine, profile_step: int, timeline: Timeline):
         self.engine = engine
         self.profile_step = profile_step
-        sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
-        self.counter = FlopCounter(engine.module, sync=sync)
+        self.counter = FlopCounter(engine.module, timeline, replicated_modules(
+            engine.module, engine.topology.tp_size))
         self.tokens = 1
-        self.started_at = 0.0
 
     def start(self, args: tuple, kwargs: dict) -> None:
         self.tokens = tokens_per_sample(args, kwargs)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self.engine.device.type == "cuda":  # host-side bookkeeping: no synchronisation
             torch.cuda.reset_peak_memory_stats(self.engine.device)
-        self.started_at = time.perf_counter()
         self.counter.start()
 
-    def finish(self, times: dict[str, float]) -> ProfileReport:
-        self.counter.stop()
-        e = self.engine
-        iter_s = time.perf_counter() - self.started_at
+    def finish(self, step: StepTime, clock: StepClock) -> ProfileReport:
+        """The report of ``step`` (the clock's record of the profiled step)."""
+        self.counter.stop(end=step.end)  # reads the marks: one wait, for the step's end
+        profiled_s = clock.seconds(step)
+        e, c = self.engine, self.counter
+        times = c.phase_latency
         fcfg = e.config.flops_profiler
         peak, peak_source = device_peak_flops(e.device, fcfg.peak_flops)
-        held = e.zero.held_numel_by_param()
-        c = self.counter
-        flops = c.total("forward") + c.total("backward") + c.total("recompute")
-        mem_peak, mem_source = peak_memory(e.device)
+        flops = flop_figures(c, e.topology.tp_size)
+        mem_peak, reserved, mem_source = peak_memory(e.device)
+        memory = e.memory_report()
         comm = e.comm_report()
         total_s = sum(v["seconds"] for v in comm.values())
         exposed_s = sum(v["exposed_seconds"] for v in comm.values())
         rank_values = {
-            "params_per_rank": e.zero.held_numel(),
-            "fwd_flops_per_rank": c.total("forward"), "bwd_flops_per_rank": c.total("backward"),
-            "iter_latency_s": iter_s, "flops_per_second_per_rank": flops / iter_s,
+            "params_per_rank": e.zero.held_numel(), **flops,
             "comm_bytes": sum(v["bytes"] for v in comm.values()),
-            "peak_memory_bytes": mem_peak,
-        }
-        spread = _gather_rank_numbers(rank_values, None, e.device)
-        samples_s = e.train_batch_size() / iter_s
-        return ProfileReport(
+            "peak_memory_bytes": mem_peak, "reserved_memory_bytes": reserved or 0,
+            "model_state_bytes": tier_bytes(memory)["device"], "profiled_step_s": profiled_s}
+        per_rank = gather_rank_numbers(rank_values, e.device)
+        report = ProfileReport(
             world_size=e.topology.world_size, data_parallel_size=e.topology.dp_size,
             tensor_parallel_size=e.topology.tp_size, pipeline_parallel_size=e.topology.pp_size,
             zero_stage=e.zero_stage, zero_description=describe_zero(
@@ -159,28 +211,51 @@ class StepProfiler:
                 e.topology.pp_size),
             params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
-            fwd_flops_per_rank=c.total("forward"), bwd_flops_per_rank=c.total("backward"),
-            recompute_flops_per_rank=c.total("recompute"), step_flops_per_rank=c.total("step"),
-            fwd_flops_model=int(spread["fwd_flops_per_rank"][2]),
-            bwd_flops_model=int(spread["bwd_flops_per_rank"][2]),
+            step_flops_per_rank=c.total("step"),
+            **{k: v for k, v in flops.items() if not k.endswith("_model_rank")},
+            fwd_flops_model=round(sum(per_rank["fwd_flops_model_rank"])),
+            bwd_flops_model=round(sum(per_rank["bwd_flops_model_rank"])),
+            model_flops=round(sum(per_rank["model_flops_per_rank"])),
+            hardware_flops=round(sum(per_rank["hardware_flops_per_rank"])),
             fwd_latency_s=times["forward"], bwd_latency_s=times["backward"],
-            step_latency_s=times["step"], iter_latency_s=iter_s,
-            samples_per_second=samples_s, tokens_per_second=samples_s * self.tokens,
-            flops_per_second_per_rank=flops / iter_s, peak_flops=peak,
-            peak_flops_source=peak_source, mfu=flops / iter_s / peak,
-            memory=e.memory_report(), peak_memory_bytes=mem_peak, peak_memory_source=mem_source,
+            step_latency_s=times["step"], profiled_step_s=profiled_s,
+            peak_flops=peak, peak_flops_source=peak_source,
+            memory=memory, peak_memory_bytes=mem_peak, peak_memory_source=mem_source,
+            reserved_memory_bytes=reserved, model_state_bytes=rank_values["model_state_bytes"],
             comm=comm, comm_hidden_fraction=(1 - exposed_s / total_s) if total_s else None,
-            modules=module_rows(e.module, c, held),
-            rank_min_max={k: v[:2] for k, v in spread.items()},
-            profile_step=self.profile_step, module_depth=fcfg.module_depth,
-            top_modules=fcfg.top_modules, detailed=fcfg.detailed)
+            global_batch=e.train_batch_size(), tokens_per_sample=self.tokens,
+            modules=module_rows(e.module, c, e.zero.held_numel_by_param()),
+            rank_min_max={k: [min(per_rank[k]), max(per_rank[k])] for k in SPREAD_KEYS
+                          if k != "reserved_memory_bytes" or reserved is not None},
+            transfers=e.transfer_report() if hasattr(e, "transfer_report") else None,
+            per_rank=per_rank, profile_step=self.profile_step, module_depth=fcfg.module_depth,
+            top_modules=fcfg.top_modules, detailed=fcfg.detailed, **UNSET_HEADLINE)
+        return with_headline(report, profiled_s, [self.profile_step],
+                             "the profiled step itself (no steady-state step measured yet)",
+                             final=False)
 
 
-def emit(report: ProfileReport, output_file: str | None) -> None:
-    """Print on rank 0 and write the JSON file if ``output_file`` ends in ``.json``."""
+# the per-rank numbers whose min / max the summary prints (all are in ``per_rank``)
+SPREAD_KEYS = ("params_per_rank", "fwd_flops_per_rank", "bwd_flops_per_rank",
+               "model_flops_per_rank", "hardware_flops_per_rank", "comm_bytes",
+               "peak_memory_bytes", "reserved_memory_bytes", "model_state_bytes",
+               "profiled_step_s")
+
+# placeholders that with_headline() fills in
+UNSET_HEADLINE: dict = dict(
+    iter_latency_s=0.0, headline_steps=[], headline_source="", headline_final=False,
+    samples_per_second=0.0, tokens_per_second=0.0, model_flops_per_second_per_rank=0.0,
+    hardware_flops_per_second_per_rank=0.0, mfu=None, hfu=None, mfu_per_rank=None,
+    hfu_per_rank=None, profiled_step_overhead=0.0)
+
+
+def write_report(report: ProfileReport, output_file: str | None, show: bool) -> None:
+    """On rank 0: print the report (``show``) and write ``output_file`` (the JSON form if it
+    ends in ``.json``, else the text)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    print(report, flush=True)
+    if show:
+        print(report, flush=True)
     if output_file is not None:
         path = Path(output_file)
         if path.suffix == ".json":
@@ -192,52 +267,58 @@ def emit(report: ProfileReport, output_file: str | None) -> None:
 def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                       backward: bool = True, module_depth: int = -1, top_modules: int = 1,
                       peak_flops: float | None = None) -> ProfileReport:
-    """Profile one forward (and a backward of the outputs' sum) of a plain module."""
+    """Profile one forward (and a backward of the outputs' sum) of a plain module. Its
+    headline is that one call (there are no other steps to take a median of)."""
     kwargs = kwargs or {}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    counter = FlopCounter(model, sync=sync)
+    timeline = timeline_for(device)
+    counter = FlopCounter(model, timeline)
     counter.start()
     try:
-        sync()
-        t0 = time.perf_counter()
+        t0 = timeline.mark()
         out = model(*args, **kwargs)
-        sync()
-        t1 = time.perf_counter()
+        t1 = timeline.mark()
         if backward:
             counter.set_phase("backward")
-            tensors = [out] if isinstance(out, torch.Tensor) else [
-                t for t in (out.values() if isinstance(out, dict) else out)
-                if isinstance(t, torch.Tensor)]
-            sums = [t.float().sum() for t in tensors if t.requires_grad]
-            if not sums:
-                raise ValueError("profiling a backward needs an output that requires grad; "
-                                 "the model returned none")
-            sum(sums[1:], sums[0]).backward()
+            _sum_outputs(out).backward()
             counter.set_phase("step")
-        sync()
-        t2 = time.perf_counter()
+        t2 = timeline.mark()
     finally:
         counter.stop()
+    timeline.wait(t2)
+    fwd_s, whole_s = timeline.seconds(t0, t1), timeline.seconds(t0, t2)
     params = sum(p.numel() for p in model.parameters())
-    flops = counter.total("forward") + counter.total("backward")
+    flops = flop_figures(counter, 1)
     peak, source = device_peak_flops(device, peak_flops)
-    mem_peak, mem_source = peak_memory(device)
+    mem_peak, reserved, mem_source = peak_memory(device)
     batch = next((a.shape[0] for a in (*args, *kwargs.values())
                   if isinstance(a, torch.Tensor) and a.dim() >= 1), 1)
-    samples_s = batch / (t2 - t0)
-    return ProfileReport(
+    report = ProfileReport(
         world_size=1, data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=1,
         zero_stage=None, zero_description=describe_zero(None, 1), params_total=params,
-        params_per_rank=params, gathered_params_peak=params,
-        fwd_flops_per_rank=counter.total("forward"), bwd_flops_per_rank=counter.total("backward"),
-        recompute_flops_per_rank=counter.total("recompute"), step_flops_per_rank=0,
-        fwd_flops_model=counter.total("forward"), bwd_flops_model=counter.total("backward"),
-        fwd_latency_s=t1 - t0, bwd_latency_s=t2 - t1, step_latency_s=0.0, iter_latency_s=t2 - t0,
-        samples_per_second=samples_s, tokens_per_second=samples_s * tokens_per_sample(args, kwargs),
-        flops_per_second_per_rank=flops / (t2 - t0), peak_flops=peak, peak_flops_source=source,
-        mfu=flops / (t2 - t0) / peak, memory={}, peak_memory_bytes=mem_peak,
-        peak_memory_source=mem_source, comm={}, comm_hidden_fraction=None,
+        params_per_rank=params, gathered_params_peak=params, step_flops_per_rank=0,
+        **{k: v for k, v in flops.items() if not k.endswith("_model_rank")},
+        fwd_flops_model=flops["fwd_flops_model_rank"],
+        bwd_flops_model=flops["bwd_flops_model_rank"],
+        model_flops=flops["model_flops_per_rank"], hardware_flops=flops["hardware_flops_per_rank"],
+        fwd_latency_s=fwd_s, bwd_latency_s=whole_s - fwd_s, step_latency_s=0.0,
+        profiled_step_s=whole_s, peak_flops=peak, peak_flops_source=source, memory={},
+        peak_memory_bytes=mem_peak, peak_memory_source=mem_source,
+        reserved_memory_bytes=reserved, model_state_bytes=0, comm={},
+        comm_hidden_fraction=None, global_batch=batch,
+        tokens_per_sample=tokens_per_sample(args, kwargs),
         modules=module_rows(model, counter, {}), module_depth=module_depth,
-        top_modules=top_modules)
+        top_modules=top_modules, **UNSET_HEADLINE)
+    return with_headline(report, whole_s, [], "the profiled call itself (a plain module)",
+                         final=True)
 
+
+def _sum_outputs(out) -> torch.Tensor:
+    tensors = [out] if isinstance(out, torch.Tensor) else [
+        t for t in (out.values() if isinstance(out, dict) else out)
+        if isinstance(t, torch.Tensor)]
+    sums = [t.float().sum() for t in tensors if t.requires_grad]
+    if not sums:
+        raise ValueError("profiling a backward needs an output that requires grad; "
+                         "the model returned none")
+    return sum(sums[1:], sums[0])

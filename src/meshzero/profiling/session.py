@@ -1,0 +1,110 @@
+"""The engine's profiling: the step clock every step, and the profiler of one step.
+
+Every optimizer step is timed by the :class:`StepClock` (a mark at the first forward, one at
+the end of ``step()``: a timestamp on CPU, a CUDA event on GPU). At
+``flops_profiler.profile_step`` a :class:`StepProfiler` also counts FLOPs and times modules.
+The report's headline (latency, throughput, FLOP/s, MFU, HFU) is the median of the last
+``flops_profiler.headline_steps`` (K) unprofiled steps after step 0, which records the unit
+order and warms up: the profiled step's own cost never becomes the job's speed. The report is
+final, printed, written and sent to the monitors once K such steps exist (at the profiled
+step when enough came before it, else K steps later), or at ``engine.close()`` with the steps
+there are; until then ``engine.last_profile`` and the JSON file hold it with the headline
+from the steps so far (``headline_final`` false).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from meshzero.profiling.monitor import Event
+from meshzero.profiling.report import ProfileReport
+from meshzero.profiling.step import StepProfiler, with_headline, write_report
+from meshzero.profiling.timing import StepClock, StepTime, timeline_for
+
+
+def describe_steps(steps: list[StepTime]) -> str:
+    numbers = [s.step for s in steps]
+    runs = "steps " + ", ".join(str(n) for n in numbers) if len(numbers) <= 6 else \
+        f"steps {numbers[0]}..{numbers[-1]} (unprofiled)"
+    return (f"median of {len(numbers)} unprofiled step(s), {runs}; this rank's step clock "
+            "(first forward to the end of step())")
+
+
+class EngineProfiling:
+    """What the engine calls: :meth:`open_step`, :meth:`set_phase`, :meth:`end_backward`,
+    :meth:`close_step` and :meth:`close`; ``report`` is ``engine.last_profile``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.config = engine.config.flops_profiler
+        self.clock = StepClock(timeline_for(engine.device),
+                               keep=max(64, 2 * self.config.headline_steps + 2))
+        self.profiler: StepProfiler | None = None
+        self.report: ProfileReport | None = None
+        self.pending = False  # a report whose headline still waits for steps
+
+    # -- the hot path: a mark per step, hooks only in the profiled one -------------------------
+    def open_step(self, step: int, args: tuple, kwargs: dict) -> None:
+        self.clock.open()
+        if self.config.enabled and step == self.config.profile_step:
+            self.profiler = StepProfiler(self.engine, step, self.clock.timeline)
+            self.profiler.start(args, kwargs)
+
+    def set_phase(self, phase: str) -> None:
+        if self.profiler is not None:
+            self.profiler.counter.set_phase(phase)
+
+    def end_backward(self) -> None:
+        if self.profiler is not None:
+            self.profiler.counter.end_backward()
+
+    def close_step(self, step: int) -> None:
+        """The end of optimizer step ``step``: its clock mark, then the report's work."""
+        profiled = self.profiler is not None
+        self.clock.close(step, profiled)
+        if self.profiler is not None:
+            t0 = time.perf_counter()
+            self.report = self.profiler.finish(self.clock.steps[-1], self.clock)
+            self.report.report_build_s = time.perf_counter() - t0
+            self.profiler = None
+            self.pending = True
+            self._headline(final=self._enough())
+            if self.pending:  # a JSON file exists from the profiled step on
+                write_report(self.report, self.config.output_file, show=False)
+        elif self.pending and self._enough():
+            self._headline(final=True)
+
+    def close(self) -> None:
+        """The engine closes: a pending report takes the steps there are."""
+        if self.pending:
+            self._headline(final=True)
+
+    # -- the headline ----------------------------------------------------------------------------
+    def _enough(self) -> bool:
+        k = self.config.headline_steps
+        return len(self.clock.steady(k)) >= k
+
+    def _headline(self, final: bool) -> None:
+        assert self.report is not None
+        steady = self.clock.steady(self.config.headline_steps)
+        if steady:  # reading the clock waits for the last of these steps, once
+            self.report = with_headline(self.report, self.clock.median(steady),
+                                        [s.step for s in steady], describe_steps(steady),
+                                        final)
+        else:
+            self.report.headline_final = final
+        if final:
+            self.pending = False
+            write_report(self.report, self.config.output_file, show=True)
+            if self.engine.monitor is not None:
+                self.engine.monitor.write(self.events())
+
+    def events(self) -> list[Event]:
+        """The headline for the monitors: ``Profile/<key>`` at the samples seen by the end
+        of the profiled step (DeepSpeed's x)."""
+        r = self.report
+        assert r is not None and r.profile_step is not None
+        x = (r.profile_step + 1) * r.global_batch
+        return [(f"Profile/{key}", float(value), x) for key, value in r.headline().items()
+                if value is not None]
