@@ -18,8 +18,7 @@ Checks (each prints PASS/FAIL and a line of figures):
 6. ``profiler_truth`` (``gpu_profiler_truth.py``): a 1.24 B GPT at ZeRO-3, bf16: the
    profiler's headline latency against an outside timer, and the profiled step against the
    median step, both within 5 %.
-
-6. ``offload_speed`` (``gpu_offload_speed.py``): a 1.28 B GPT, bf16, 8 x 1024, at ZeRO-2/3
+7. ``offload_speed`` (``gpu_offload_speed.py``): a 1.28 B GPT, bf16, 8 x 1024, at ZeRO-2/3
    with the optimizer (and the parameters) offloaded: step time against the GPU-resident
    step, d2h / h2d GB/s, pinned vs pageable memcpy; fails on any pageable offload copy or
    d2h under 10 GB/s.
