@@ -27,6 +27,4 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
-    "tensor_parallel.autotp_size": "AutoTP needs the model to infer a plan: pass it to "
-                                   "initialize, or give tensor_parallel.size and plan",
 }
