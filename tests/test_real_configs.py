@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import meshzero
-from tests.real_configs import LOADS, REFUSED
+from tests.real_configs import AUTOTP_ALONE, LOADS, REFUSED
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,7 +132,16 @@ def test_real_config_refused_naming_every_key_in_one_read(name: str) -> None:
 
 
 def test_collection_is_large_enough() -> None:
-    assert len(LOADS) + len(REFUSED) + 1 >= 40  # + AUTOTP
+    assert len(LOADS) + len(REFUSED) + len(AUTOTP_ALONE) + 1 >= 55  # + AUTOTP
+
+
+@pytest.mark.parametrize("name", list(AUTOTP_ALONE))
+def test_autotp_config_loads_without_the_model(name: str) -> None:
+    raw = AUTOTP_ALONE[name]
+    size = raw["tensor_parallel"]["autotp_size"]
+    config = meshzero.load_config(hf_fill(raw))
+    assert (config.tensor_parallel.size, config.tensor_parallel.plan) == (size, None)
+    assert config.dp_size(2 * size) == 2
 
 
 def test_autotp_config_loads_with_the_inferred_plan() -> None:
