@@ -70,6 +70,19 @@ HINTS: dict[str, str] = {
     "zero_optimization.legacy_stage1": "stage 1 gives the same parameters either way",
     "zero_optimization.stage3_model_persistence_threshold": "a ZeRO-3 residency hint",
     "zero_optimization.mics_hierarchical_params_gather": "a MiCS gather order",
+    # how DeepSpeed's ZeRO-3 fetches parameters; meshzero gathers whole units
+    # (zero_optimization.unit_classes), with the same results
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "a ZeRO-3 fetch collective",
+    "zero_optimization.use_all_reduce_for_fetch_params": "a ZeRO-3 fetch collective",
+    "zero_optimization.stage3_module_granularity_threshold": "a ZeRO-3 fetch granularity",
+    "zero_optimization.module_granularity_threshold": "a ZeRO-3 fetch granularity",
+    "zero_optimization.stage3_allgather_sequential": "a ZeRO-3 gather order",
+    "zero_optimization.allgather_sequential": "a ZeRO-3 gather order",
+    "zero_optimization.leaf_module": "ZeRO-3 leaf modules, a fetch granularity",
+    "zero_optimization.override_module_apply": "how DeepSpeed's zero.Init patches "
+                                                "Module.apply",
+    "zero_optimization.enable_sanity_checks": "DeepSpeed's debug checks",
+    "zero_optimization.pipeline_loading_checkpoint": "how DeepSpeed loads checkpoint shards",
     "zero_optimization.offload_optimizer.fast_init": "how DeepSpeed first fills NVMe files",
     "zero_optimization.offload_optimizer.pipeline": "meshzero always overlaps NVMe I/O",
     "zero_optimization.offload_optimizer.pipeline_read": "meshzero always overlaps NVMe I/O",
