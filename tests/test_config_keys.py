@@ -127,3 +127,48 @@ def test_autotp_loads_alone_and_the_plan_is_inferred_at_initialize() -> None:
     with pytest.raises(ConfigError, match="disagree"):
         load_config({"tensor_parallel": {"autotp_size": 2, "size": 4, "plan": "gpt"}})
     assert load_config({"tensor_parallel": {"autotp_size": 1}}).tensor_parallel.size == 1
+
+
+def _gpt2() -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=4, vocab_size=32, n_positions=8, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+AUTOTP_RAW = {"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1}}
+TOKENS = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _autotp_rank(rank: int, world_size: int) -> tuple[str | None, list[float]]:
+    config = load_config(AUTOTP_RAW)  # alone: the plan is inferred by initialize
+    engine, *_ = meshzero.initialize(model=_gpt2(), config=config)
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=TOKENS, labels=TOKENS).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return engine.config.tensor_parallel.plan, losses  # type: ignore[return-value]
+
+
+def test_autotp_loaded_alone_trains_as_the_unsharded_model(run_ranks) -> None:
+    pytest.importorskip("transformers")
+    model = _gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for _ in range(3):
+        loss = model(input_ids=TOKENS, labels=TOKENS).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for plan, losses in run_ranks(_autotp_rank, 2):
+        assert plan == "hf_gpt2"
+        assert losses == pytest.approx(want, rel=1e-5)
