@@ -35,6 +35,25 @@ def test_a_near_miss_stays_an_error_naming_the_key_meant(key: str, meant: str) -
         load_config({key: 1})
 
 
+def test_keys_deepspeed_reads_are_never_ignored() -> None:
+    """A top-level key DeepSpeed's parser reads is a hint, a no-op value or a refusal: the
+    'ignored' warning is only for keys DeepSpeed ignores too."""
+    config = load_config({"gradient_allreduce_op": "mean", "managed_gradient_accumulation": True,
+                          "graph_harvesting": True, "log_level": "info",
+                          "comet": {"enabled": False}})
+    assert config.warnings == () and len(config.hints) == 2
+    refused = {"gradient_allreduce_op": "sum", "managed_gradient_accumulation": False,
+               "quantize_training": {"enabled": True}, "comet": {"enabled": True},
+               "expert_parallel": {"enabled": True},
+               "seq_parallel_communication_data_type": "bf16"}
+    with pytest.raises(ConfigError) as info:
+        load_config(refused)
+    message = str(info.value)
+    assert f"({len(refused)} problems)" in message
+    for key in refused:
+        assert f"'{key}'" in message
+
+
 def test_every_misspelling_in_one_read_and_unknown_keys_inside_sections_refused() -> None:
     with pytest.raises(ConfigError) as info:
         load_config({"stage": 3, "train_batch_sizee": 2, "zero_optimization": {"qqq": 1},

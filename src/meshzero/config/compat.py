@@ -104,6 +104,9 @@ HINTS: dict[str, str] = {
     "sparse_attention": "it configures DeepSpeed's sparse attention modules, which a model "
                         "without them never reads",
     "timers": "meshzero times every step (wall_clock_breakdown)",
+    "graph_harvesting": "CUDA graph capture of DeepSpeed's kernels",
+    "log_level": "DeepSpeed's own log level (meshzero's is MESHZERO_LOG_LEVEL)",
+    "use_data_before_expert_parallelism": "a data order for MoE expert parallelism",
     "bf16.immediate_grad_update": "when DeepSpeed folds bf16 gradients into fp32",
     "bf16.check_grad_overflow": "bf16 needs no overflow check",
     "bf16.loss_scale": "bf16 needs no loss scaling; DeepSpeed ignores it too",
@@ -121,6 +124,8 @@ HINTS: dict[str, str] = {
 # "enabled" is false asks for nothing whatever else it holds (`OFF_WHEN_DISABLED`).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "gradient_predivide_factor": (1, 1.0),
+    "gradient_allreduce_op": ("mean",),
+    "managed_gradient_accumulation": (True,),
     "sparse_gradients": (False,),
     "fp16.fp16_master_weights_and_grads": (False,),
     "zero_optimization.zero_quantized_weights": (False,),
@@ -145,6 +150,7 @@ OFF_WHEN_DISABLED = (
     "amp", "torch_autocast", "hybrid_engine", "curriculum_learning", "data_efficiency",
     "progressive_layer_drop", "eigenvalue", "elasticity", "autotuning", "compression_training",
     "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler", "nebula",
+    "comet", "quantize_training", "weight_quantization",
 )  # fmt: skip
 # DeepSpeed's retired keys: read by its parser and used for nothing since (accepted with a
 # deprecation line). key -> what DeepSpeed does with it.
