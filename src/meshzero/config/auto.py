@@ -185,7 +185,9 @@ def resolve_auto(raw: dict[str, Any], model: ModelFacts) -> list[str]:
             continue
         if value is LEAVE_OUT:
             del parent[last]
-            notes.append(f'"auto" {rule.key}: {rule.rule}')
+            why = rule.rule if rule.key not in MODEL_KEYS else (
+                "meshzero's default until a model with a hidden size is given to initialize")
+            notes.append(f'"auto" {rule.key}: {why}')
         else:
             parent[last] = value
             notes.append(f'"auto" {rule.key} = {_json(value)} (rule: {rule.rule})')

@@ -105,6 +105,7 @@ HINTS: dict[str, str] = {
                         "without them never reads",
     "timers": "meshzero times every step (wall_clock_breakdown)",
     "graph_harvesting": "CUDA graph capture of DeepSpeed's kernels",
+    "tensor_parallel.tp_overlap_comm": "AutoTP's all-reduce overlap",
     "log_level": "DeepSpeed's own log level (meshzero's is MESHZERO_LOG_LEVEL)",
     "use_data_before_expert_parallelism": "a data order for MoE expert parallelism",
     "bf16.immediate_grad_update": "when DeepSpeed folds bf16 gradients into fp32",
