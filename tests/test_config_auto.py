@@ -105,6 +105,8 @@ def test_a_config_loaded_alone_is_resolved_again_with_the_model() -> None:
             zc.stage3_param_persistence_threshold) == (64, 57, 80)
     plain = load_config({"zero_optimization": {"stage": 3}})
     assert load_config(plain, model=Tiny()) is plain  # nothing the model decides
+    changed = alone.model_copy(update={"gradient_clipping": 0.5})
+    assert load_config(changed, model=Tiny(torch.bfloat16)) is changed  # its values kept
 
 
 @pytest.mark.parametrize(("given", "expected"), [

@@ -28,10 +28,11 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     tensor-parallel plan for AutoTP's autotp_size. A `Config` loaded without the model it
     needed is resolved again when `model` is given. Every problem is in one `ConfigError`."""
     if isinstance(config, Config):
-        raw = config._needs_model
-        if raw is None or model is None:
+        pending = config._needs_model
+        # (a copy changed with model_copy keeps the dict but not the values: kept as it is)
+        if pending is None or model is None or pending[1] != config.model_dump():
             return config
-        return load_config(raw, model=model, tp_plan=tp_plan)
+        return load_config(pending[0], model=model, tp_plan=tp_plan)
     if isinstance(config, (str, os.PathLike)):
         raw, source = read_json(Path(config)), f"config file '{config}'"
     elif isinstance(config, dict):
@@ -56,7 +57,7 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     validated._auto_resolved = tuple(norm.resolved)
     validated._warnings = tuple(norm.warnings + ignored)
     if norm.needs_model and model is None:
-        validated._needs_model = copy.deepcopy(raw)
+        validated._needs_model = (copy.deepcopy(raw), validated.model_dump())
     return validated
 
 

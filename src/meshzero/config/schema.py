@@ -65,10 +65,11 @@ class Config(BaseModel):
     _deprecations: tuple[str, ...] = PrivateAttr(default=())
     # each "auto" load_config resolved (one INFO line each at initialize), the keys it read
     # and ignored (one WARNING each), and, when an "auto" or AutoTP's plan depends on the
-    # model and none was given, the dict to resolve again when initialize gives it
+    # model and none was given, the dict to resolve again when initialize gives it (and the
+    # values it gave, to tell a copy changed since)
     _auto_resolved: tuple[str, ...] = PrivateAttr(default=())
     _warnings: tuple[str, ...] = PrivateAttr(default=())
-    _needs_model: dict[str, Any] | None = PrivateAttr(default=None)
+    _needs_model: tuple[dict[str, Any], dict[str, Any]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
