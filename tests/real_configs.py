@@ -333,6 +333,19 @@ LOADS: dict[str, dict] = {
         "fp16": {"enabled": T, "auto_cast": T, "loss_scale": 0, "initial_scale_power": 12,
                  "loss_scale_window": 1000, "hysteresis": 2,
                  "consecutive_hysteresis": T, "min_loss_scale": 1}},
+    # the older "bfloat16" spelling, its "auto" filled as bf16's
+    "transformers tests/deepspeed/ds_config_zero2_bf16.json": {
+        "bfloat16": {"enabled": "auto"}, "optimizer": HF_OPT, "scheduler": HF_WARMUP,
+        "zero_optimization": HF_Z2, **HF_BATCH, "steps_per_print": 2000,
+        "wall_clock_breakdown": F},
+    "transformers tests/deepspeed/ds_config_zero3_bf16.json": {
+        "bfloat16": {"enabled": "auto"}, "optimizer": HF_OPT, "scheduler": HF_WARMUP,
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU,
+            "overlap_comm": T, "contiguous_gradients": T, "sub_group_size": 1e9, **Z3_AUTO,
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_fp16_weights_on_model_save": T},
+        **HF_BATCH, "steps_per_print": 2000, "wall_clock_breakdown": F},
     # Accelerate's own test configs (tests/deepspeed): "auto" in keys only Accelerate fills
     "accelerate tests/deepspeed/ds_config_zero2.json": {
         "fp16": FP16_AUTO, "bf16": {"enabled": "auto"}, "optimizer": ACC_OPT,
