@@ -139,13 +139,16 @@ def test_the_trainers_values_win_over_the_defaults() -> None:
     assert config.scheduler.validated_params()["warmup_max_lr"] == 1e-3  # type: ignore[union-attr]
 
 
-def test_initialize_logs_one_info_line_per_resolved_key() -> None:
+def test_initialize_logs_one_info_line_per_resolved_key_and_warns_ignored_keys() -> None:
     raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
            "bf16": {"enabled": "auto"}, "zero_optimization": {
                "stage": 1, "reduce_bucket_size": "auto",
                "stage3_gather_16bit_weights_on_model_save": "auto"},
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "cuda_visible_devices": 0}
     records = _capture(lambda: meshzero.initialize(model=Tiny(), config=raw))
+    warned = [m for level, m in records if level == logging.WARNING]
+    assert warned == ["cuda_visible_devices: not a DeepSpeed key; ignored, as DeepSpeed "
+                      "ignores it"]
     auto = [m for level, m in records if m.startswith('"auto"')]
     assert [m.split()[1] for m in auto] == [
         "train_batch_size:", "bf16.enabled", "zero_optimization.stage3_gather_16bit_weights_on_"
