@@ -57,6 +57,13 @@ ACC_TAIL = {"gradient_accumulation_steps": 1, "gradient_clipping": "auto",
 HF_Z2 = {"stage": 2, "offload_optimizer": OFFLOAD_CPU, "allgather_partitions": T,
          "allgather_bucket_size": 2e8, "overlap_comm": T, "reduce_scatter": T,
          "reduce_bucket_size": 2e8, "contiguous_gradients": T}
+ACC_Z2 = {"stage": 2, "allgather_partitions": T, "allgather_bucket_size": 2e8, "overlap_comm": T,
+          "reduce_scatter": T, "reduce_bucket_size": "auto", "contiguous_gradients": T}
+IMAGENET = {"train_batch_size": 256, "gradient_accumulation_steps": 1, "steps_per_print": 50,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999],
+                                                     "eps": 1e-8, "weight_decay": 3e-7}},
+            "zero_allow_untested_optimizer": T, "gradient_clipping": 0, "prescale_gradients": F,
+            "cuda_visible_devices": 0, "wall_clock_breakdown": F}
 MDS_FP16 = {"enabled": T, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
             "min_loss_scale": 1, "initial_scale_power": 11}
 
@@ -326,6 +333,70 @@ LOADS: dict[str, dict] = {
         "fp16": {"enabled": T, "auto_cast": T, "loss_scale": 0, "initial_scale_power": 12,
                  "loss_scale_window": 1000, "hysteresis": 2,
                  "consecutive_hysteresis": T, "min_loss_scale": 1}},
+    # the older "bfloat16" spelling, its "auto" filled as bf16's
+    "transformers tests/deepspeed/ds_config_zero2_bf16.json": {
+        "bfloat16": {"enabled": "auto"}, "optimizer": HF_OPT, "scheduler": HF_WARMUP,
+        "zero_optimization": HF_Z2, **HF_BATCH, "steps_per_print": 2000,
+        "wall_clock_breakdown": F},
+    "transformers tests/deepspeed/ds_config_zero3_bf16.json": {
+        "bfloat16": {"enabled": "auto"}, "optimizer": HF_OPT, "scheduler": HF_WARMUP,
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU,
+            "overlap_comm": T, "contiguous_gradients": T, "sub_group_size": 1e9, **Z3_AUTO,
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_fp16_weights_on_model_save": T},
+        **HF_BATCH, "steps_per_print": 2000, "wall_clock_breakdown": F},
+    # Accelerate's own test configs (tests/deepspeed): "auto" in keys only Accelerate fills
+    "accelerate tests/deepspeed/ds_config_zero2.json": {
+        "fp16": FP16_AUTO, "bf16": {"enabled": "auto"}, "optimizer": ACC_OPT,
+        "scheduler": HF_WARMUP, "zero_optimization": {**ACC_Z2, "offload_optimizer": OFFLOAD_CPU},
+        **ACC_TAIL},
+    "accelerate tests/deepspeed/ds_config_zero2_model_only.json": {
+        "fp16": FP16_AUTO, "bf16": {"enabled": "auto"},
+        "zero_optimization": {**ACC_Z2, "offload_optimizer": OFFLOAD_CPU}, **ACC_TAIL},
+    "accelerate tests/deepspeed/ds_config_zero3.json": {
+        "fp16": FP16_AUTO, "bf16": {"enabled": "auto"}, "optimizer": ACC_OPT,
+        "scheduler": HF_WARMUP, "zero_optimization": {
+            **ACC_Z3, "offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU},
+        **ACC_TAIL},
+    "accelerate tests/deepspeed/ds_config_zero3_model_only.json": {
+        "fp16": FP16_AUTO, "bf16": {"enabled": "auto"}, "zero_optimization": {
+            "stage": 3, "offload_param": OFFLOAD_CPU, "overlap_comm": T, "sub_group_size": 1e9,
+            "reduce_bucket_size": 1e9, "stage3_prefetch_bucket_size": 1e9,
+            "stage3_param_persistence_threshold": 1e9, "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": T},
+        "train_micro_batch_size_per_gpu": 1},
+    "DeepSpeedExamples training/autotuning/hf/dsconfigs/ds_config_fp16_z2.json": {
+        "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+        "fp16": {"enabled": T}},
+    "DeepSpeedExamples training/autotuning/hf/dsconfigs/ds_config_z3.json": {
+        "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}},
+    "DeepSpeedExamples training/gan/gan_deepspeed_config.json": {
+        "train_batch_size": 64, "steps_per_print": 10, "optimizer": {
+            "type": "Adam", "params": {"lr": 0.0002, "betas": [0.5, 0.999], "eps": 1e-8}}},
+    # cuda_visible_devices is no DeepSpeed key: ignored with a warning, as DeepSpeed does
+    "DeepSpeedExamples training/imagenet/config/ds_config.json": {
+        **IMAGENET, "zero_optimization": {"stage": 0}, "fp16": {"enabled": F}},
+    "DeepSpeedExamples training/imagenet/config/ds_fp16_z1_config.json": {
+        **IMAGENET, "zero_optimization": {"stage": 1}, "fp16": {"enabled": T, "auto_cast": T}},
+    "DeepSpeedExamples training/pipeline_parallelism/ds_config.json": {
+        "train_batch_size": 256, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999],
+                                                 "eps": 1e-8}}, "wall_clock_breakdown": F},
+    "DeepSpeedExamples compression/cifar/config/ds_config.json": {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 32, "steps_per_print": 50,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999],
+                                                 "eps": 1e-8, "weight_decay": 3e-7}},
+        "zero_optimization": {"stage": 0}, "fp16": {"enabled": T}, "gradient_clipping": 1.0,
+        "prescale_gradients": T, "wall_clock_breakdown": F},
+    "DeepSpeedExamples training/bf16_master_weight/configs/baseline.json": {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "steps_per_print": 100, "optimizer": {"type": "AdamW", "params": {
+            "lr": 0.0001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+        "bf16": {"enabled": T}, "zero_optimization": {
+            "stage": 3, "overlap_comm": T, "contiguous_gradients": T,
+            "reduce_bucket_size": 5e7, "stage3_param_persistence_threshold": 0},
+        "torch_autocast": {"enabled": F}},
 }
 
 # name -> (config, the dotted keys the one error must name). Each would change what
@@ -346,6 +417,35 @@ REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
              "enabled": T, "random_ltd": {"enabled": T}}}},
         # allgather_bucket_size "auto" is not one Hugging Face resolves either
         ("data_efficiency", "zero_optimization.allgather_bucket_size")),
+    "DeepSpeedExamples training/data_efficiency/gpt_finetuning/config/"
+    "ds_config_gpt_base_random_ltd.json": (
+        {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 2,
+         "optimizer": {"type": "Adam", "params": {"lr": 0.0001, "betas": [0.8, 0.999],
+                                                  "eps": 1e-8, "weight_decay": 3e-7}},
+         "zero_optimization": {"stage": 0}, "fp16": {"enabled": F}, "gradient_clipping": 1.0,
+         "prescale_gradients": T, "wall_clock_breakdown": F,
+         "data_efficiency": {"enabled": T, "data_routing": {"enabled": T, "random_ltd": {
+             "enabled": T, "total_layer_num": 12, "random_ltd_layer_num": 10,
+             "random_ltd_layer_id": list(range(1, 11)), "model_mask_name": "attention_mask",
+             "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+             "random_ltd_schedule": {"min_value": 128, "max_value": 1024,
+                                     "schedule_type": "fixed_linear", "schedule_config": {
+                                         "require_steps": 400, "seq_per_step": 8}}}}}},
+        ("data_efficiency",)),
+    "DeepSpeed docs progressive-layer-drop tutorial (PLD on, Adam)": (
+        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+         "fp16": {"enabled": T, "loss_scale": 0},
+         "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
+        ("progressive_layer_drop",)),
+}
+
+# AutoTP, loaded without the model (the plan is inferred at initialize): name -> config
+AUTOTP_ALONE: dict[str, dict] = {
+    "DeepSpeedExamples training/tensor_parallel/hf_integration/configs/ds_config.json": {
+        "bf16": {"enabled": "auto"}, "optimizer": HF_OPT, "scheduler": HF_DECAY,
+        "zero_optimization": {"stage": 2, "gather_16bit_weights_on_model_save": T},
+        "tensor_parallel": {"autotp_size": 4}, **HF_BATCH, "steps_per_print": 1,
+        "wall_clock_breakdown": F},
 }
 
 # AutoTP: loads (tp 2 over the plan inferred for the model); at world size 1 it cannot run,

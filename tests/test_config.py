@@ -100,11 +100,11 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     ),
     (("optimizer", "type"), "RMSprop", ("optimizer.type", "valid: Adam, AdamW, SGD")),
     (("scheduler", "type"), "OneCycle", ("scheduler.type", "WarmupCosineLR")),
-    # "auto" at several depths
-    (("gradient_clipping",), "auto", ("'gradient_clipping'", AUTO)),
-    (("optimizer", "params", "lr"), "auto", ("'optimizer.params.lr'", AUTO)),
-    (("zero_optimization", "reduce_bucket_size"), "auto", ("zero_optimization.reduce_b", AUTO)),
-    (("scheduler", "params", "warmup_max_lr"), "auto", ("scheduler.params.warmup_max_lr", AUTO)),
+    # "auto" where neither Hugging Face nor Accelerate fill it, at several depths
+    (("seed",), "auto", ("'seed'", AUTO)),
+    (("zero_optimization", "allgather_bucket_size"), "auto", ("zero_optimization.allgather_b",
+                                                             AUTO)),
+    (("scheduler", "params", "total_num_steps"), "auto", ("scheduler.params.total_num", AUTO)),
     (("optimizer", "params", "betas"), [0.9, "auto"], ("optimizer.params.betas[1]", AUTO)),
     # DeepSpeed features that change results and that meshzero does not implement yet
     (("zero_optimization", "cpu_offload"), "yes", ("zero_optimization.cpu_offload", "true or")),
@@ -184,7 +184,8 @@ def test_every_problem_is_reported_one_per_line() -> None:
     config["seed"] = -3
     config["amp"] = {"enabled": True}
     config["train_batch_size"] = "auto"  # resolved: the batch keys come from each other
-    config["optimizer"]["params"]["lr"] = "auto"  # not resolvable, listed with the rest
+    config["optimizer"]["params"]["lr"] = "auto"  # resolved: TrainingArguments' default
+    config["zero_optimization"]["allgather_bucket_size"] = "auto"  # nobody fills it: listed
     with pytest.raises(ConfigError) as info:
         load_config(config)
     lines = str(info.value).splitlines()
@@ -192,7 +193,8 @@ def test_every_problem_is_reported_one_per_line() -> None:
     assert any("zero_optimization.stage = 4" in line for line in lines[1:])
     assert any("seed = -3" in line for line in lines[1:])
     assert any("'amp'" in line and NOT_YET in line for line in lines[1:])
-    assert any("'optimizer.params.lr'" in line and AUTO in line for line in lines[1:])
+    assert any("'zero_optimization.allgather_bucket_size'" in line and AUTO in line
+               for line in lines[1:])
 
 
 def test_unknown_key_without_close_match_lists_valid_keys() -> None:

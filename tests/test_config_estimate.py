@@ -32,7 +32,8 @@ BAD_CONFIGS = [
     ({"gradient_accumulation_steps": 4}, "alone does not set the batch size"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
     ({"zero_optimization": {"stag": 1}}, "did you mean 'zero_optimization.stage'"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "is 'auto'"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+     "is 'auto'"),
     ({"optimizer": {"type": "Lamb"}}, "DeepSpeed optimizer meshzero does not implement"),
 ]
 

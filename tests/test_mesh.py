@@ -111,8 +111,8 @@ def test_hybrid_sharding_equals_single_process(tmp_path, stage):
     ({"pipeline_parallel": {"size": 2, "schedule": "zigzag"}},
      "pipeline_parallel.schedule = 'zigzag': Input should be 'gpipe', '1f1b'"),
     ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size = 2 needs tensor_parallel.plan"),
-    # AutoTP without the model (nothing to infer a plan from)
-    ({"tensor_parallel": {"autotp_size": 2}}, "config key 'tensor_parallel.autotp_size' asks"),
+    # AutoTP that disagrees with the size given
+    ({"tensor_parallel": {"autotp_size": 2, "size": 4, "plan": "gpt"}}, "disagree; give one"),
     ({"pipeline_parallel": {"size": 2, "micro_batches": 4}, "gradient_accumulation_steps": 2,
       "train_batch_size": 8},
      "pipeline_parallel.micro_batches (4) != gradient_accumulation_steps (2)"),

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import meshzero
-from tests.real_configs import LOADS, REFUSED
+from tests.real_configs import AUTOTP_ALONE, LOADS, REFUSED
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,8 +40,6 @@ FILL = {  # dotted key -> the TrainingArguments value the Trainer puts in place 
     "fp16.enabled": False,
     "bf16.enabled": False,
     "bfloat16.enabled": False,
-    # accelerate's DeepSpeedPlugin default (zero3_save_16bit_model false)
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
 }
 
 
@@ -111,6 +109,17 @@ def test_real_config_loads_and_trains_one_step(name: str, tmp_path) -> None:
         assert zc.stage3_prefetch_bucket_size == int(0.9 * HIDDEN * HIDDEN)
 
 
+@pytest.mark.parametrize("name", list(LOADS))
+def test_real_config_loads_unfilled_but_for_the_run_length(name: str) -> None:
+    """Without the Trainer's fill, meshzero fills every "auto" itself but the scheduler's
+    total steps, which only a run knows."""
+    try:
+        meshzero.load_config(LOADS[name], model=tiny_gpt2())
+    except meshzero.ConfigError as exc:
+        problems = str(exc).splitlines()[1:]
+        assert problems and all("scheduler.params.total_num_steps" in p for p in problems), exc
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_real_config_refused_naming_every_key_in_one_read(name: str) -> None:
     raw, keys = REFUSED[name]
@@ -123,7 +132,16 @@ def test_real_config_refused_naming_every_key_in_one_read(name: str) -> None:
 
 
 def test_collection_is_large_enough() -> None:
-    assert len(LOADS) + len(REFUSED) + 1 >= 40  # + AUTOTP
+    assert len(LOADS) + len(REFUSED) + len(AUTOTP_ALONE) + 1 >= 55  # + AUTOTP
+
+
+@pytest.mark.parametrize("name", list(AUTOTP_ALONE))
+def test_autotp_config_loads_without_the_model(name: str) -> None:
+    raw = AUTOTP_ALONE[name]
+    size = raw["tensor_parallel"]["autotp_size"]
+    config = meshzero.load_config(hf_fill(raw))
+    assert (config.tensor_parallel.size, config.tensor_parallel.plan) == (size, None)
+    assert config.dp_size(2 * size) == 2
 
 
 def test_autotp_config_loads_with_the_inferred_plan() -> None:
@@ -138,5 +156,7 @@ def test_autotp_config_loads_with_the_inferred_plan() -> None:
     assert (config.tensor_parallel.size, config.tensor_parallel.plan) == (2, "hf_gpt2")
     with pytest.raises(ValueError, match="tensor_parallel"):  # a world of one has no tp 2
         meshzero.initialize(model=tiny_gpt2(), config=hf_fill(raw))
-    with pytest.raises(meshzero.ConfigError, match="tensor_parallel.autotp_size"):
-        meshzero.load_config(hf_fill(raw))  # without the model there is no plan to infer
+    alone = meshzero.load_config(hf_fill(raw))  # without the model: the plan waits for it
+    assert (alone.tensor_parallel.size, alone.tensor_parallel.plan) == (2, None)
+    assert meshzero.load_config(alone, model=model, tp_plan=lambda: inferred_tp_plan(
+        model)).tensor_parallel.plan == "hf_gpt2"

@@ -132,13 +132,18 @@ class Engine(nn.Module):
 
     @staticmethod
     def _log_accepted(config: Config) -> None:
-        """One INFO line for the DeepSpeed hints the config holds, one for deprecations (the
-        log's rank filter keeps them to rank 0)."""
+        """One INFO line for the DeepSpeed hints the config holds, one for deprecations, one
+        per "auto" resolved (the log's rank filter keeps them to rank 0), and one WARNING per
+        key read and ignored."""
         if config.hints:
             logger.info("accepted DeepSpeed keys that change nothing here: %s",
                         "; ".join(config.hints))
         if config.deprecations:
             logger.info("deprecated DeepSpeed spellings: %s", "; ".join(config.deprecations))
+        for line in config.auto_resolved:  # one line per "auto" filled (config.auto)
+            logger.info("%s", line)
+        for line in config.warnings:
+            logger.warning("%s", line)
 
     # -- DeepSpeed-style accessors ---------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

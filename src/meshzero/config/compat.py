@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshzero.config.auto import ModelFacts, is_auto, needs_model, resolve_auto
+
 # DeepSpeed's other spellings of keys meshzero honours: dotted old -> dotted new, and whether
 # DeepSpeed itself calls the old one deprecated.
 ALIASES: dict[str, tuple[str, bool]] = {
@@ -68,6 +70,19 @@ HINTS: dict[str, str] = {
     "zero_optimization.legacy_stage1": "stage 1 gives the same parameters either way",
     "zero_optimization.stage3_model_persistence_threshold": "a ZeRO-3 residency hint",
     "zero_optimization.mics_hierarchical_params_gather": "a MiCS gather order",
+    # how DeepSpeed's ZeRO-3 fetches parameters; meshzero gathers whole units
+    # (zero_optimization.unit_classes), with the same results
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "a ZeRO-3 fetch collective",
+    "zero_optimization.use_all_reduce_for_fetch_params": "a ZeRO-3 fetch collective",
+    "zero_optimization.stage3_module_granularity_threshold": "a ZeRO-3 fetch granularity",
+    "zero_optimization.module_granularity_threshold": "a ZeRO-3 fetch granularity",
+    "zero_optimization.stage3_allgather_sequential": "a ZeRO-3 gather order",
+    "zero_optimization.allgather_sequential": "a ZeRO-3 gather order",
+    "zero_optimization.leaf_module": "ZeRO-3 leaf modules, a fetch granularity",
+    "zero_optimization.override_module_apply": "how DeepSpeed's zero.Init patches "
+                                                "Module.apply",
+    "zero_optimization.enable_sanity_checks": "DeepSpeed's debug checks",
+    "zero_optimization.pipeline_loading_checkpoint": "how DeepSpeed loads checkpoint shards",
     "zero_optimization.offload_optimizer.fast_init": "how DeepSpeed first fills NVMe files",
     "zero_optimization.offload_optimizer.pipeline": "meshzero always overlaps NVMe I/O",
     "zero_optimization.offload_optimizer.pipeline_read": "meshzero always overlaps NVMe I/O",
@@ -89,6 +104,10 @@ HINTS: dict[str, str] = {
     "sparse_attention": "it configures DeepSpeed's sparse attention modules, which a model "
                         "without them never reads",
     "timers": "meshzero times every step (wall_clock_breakdown)",
+    "graph_harvesting": "CUDA graph capture of DeepSpeed's kernels",
+    "tensor_parallel.tp_overlap_comm": "AutoTP's all-reduce overlap",
+    "log_level": "DeepSpeed's own log level (meshzero's is MESHZERO_LOG_LEVEL)",
+    "use_data_before_expert_parallelism": "a data order for MoE expert parallelism",
     "bf16.immediate_grad_update": "when DeepSpeed folds bf16 gradients into fp32",
     "bf16.check_grad_overflow": "bf16 needs no overflow check",
     "bf16.loss_scale": "bf16 needs no loss scaling; DeepSpeed ignores it too",
@@ -106,6 +125,8 @@ HINTS: dict[str, str] = {
 # "enabled" is false asks for nothing whatever else it holds (`OFF_WHEN_DISABLED`).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "gradient_predivide_factor": (1, 1.0),
+    "gradient_allreduce_op": ("mean",),
+    "managed_gradient_accumulation": (True,),
     "sparse_gradients": (False,),
     "fp16.fp16_master_weights_and_grads": (False,),
     "zero_optimization.zero_quantized_weights": (False,),
@@ -130,14 +151,22 @@ OFF_WHEN_DISABLED = (
     "amp", "torch_autocast", "hybrid_engine", "curriculum_learning", "data_efficiency",
     "progressive_layer_drop", "eigenvalue", "elasticity", "autotuning", "compression_training",
     "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler", "nebula",
+    "comet", "quantize_training", "weight_quantization",
 )  # fmt: skip
+# DeepSpeed's retired keys: read by its parser and used for nothing since (accepted with a
+# deprecation line). key -> what DeepSpeed does with it.
+RETIRED: dict[str, str] = {
+    "disable_allgather": "its config still reads it; nothing uses it",
+    "vocabulary_size": "it only warns when the size is not a multiple of 8",
+    "allgather_size": "only the boolean zero_optimization spelling read it",
+}
 
 
 def deepspeed_keys() -> set[str]:
     """Every dotted DeepSpeed key this module accepts outside the schema (for the nearest-key
     suggestion of a misspelt one)."""
     zero = {f"zero_optimization.{k}" for k in OLD_OFFLOAD}
-    return {*ALIASES, *HINTS, *NOOP_VALUES, *OFF_WHEN_DISABLED, *zero}
+    return {*ALIASES, *HINTS, *NOOP_VALUES, *OFF_WHEN_DISABLED, *RETIRED, *zero}
 
 
 @dataclass
@@ -148,7 +177,10 @@ class Normalized:
     hints: list[str] = field(default_factory=list)
     deprecations: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    auto: list[str] = field(default_factory=list)
+    auto: list[str] = field(default_factory=list)  # "auto" left unresolved
+    resolved: list[str] = field(default_factory=list)  # "auto" resolved, one line per key
+    warnings: list[str] = field(default_factory=list)
+    needs_model: bool = False  # "auto" or AutoTP that the model decides
 
 
 def _get(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
@@ -249,72 +281,114 @@ def _drop_hints(out: Normalized) -> None:
         out.hints.append("zero_optimization.sub_group_size = 0 (the default tile is used)")
 
 
-def normalize(raw: dict[str, Any], hidden_size: int | None = None,
+def normalize(raw: dict[str, Any], model: ModelFacts | None = None,
               tp_plan: Callable[[], str | None] | None = None) -> Normalized:
-    """A copy of `raw` in the schema's spellings, without hints and no-op values, with the
-    "auto" values resolved that can be (`hidden_size`: the model's, when it is known) and
-    AutoTP's size turned into tensor_parallel.size with the plan `tp_plan` infers."""
+    """A copy of `raw` in the schema's spellings, without hints, retired keys and no-op values,
+    with the "auto" values resolved that can be (config.auto; `model`: what the model says,
+    when it is known) and AutoTP's size turned into tensor_parallel.size, over the plan
+    `tp_plan` infers (without it the plan is inferred at initialize)."""
     out = Normalized(copy.deepcopy(raw))
     for old, (new, deprecated) in ALIASES.items():
         _rename(out, old, new, deprecated)
+    _old_zero(out)
     _old_offload(out)
+    _zero_aio(out)
+    _retired(out)
     _comments(out)
     _value_aliases(out)
-    _resolve_auto(out, hidden_size)
+    out.needs_model = needs_model(out.raw)
+    out.resolved = resolve_auto(out.raw, model or ModelFacts())
     _drop_noops(out)
     _drop_hints(out)
-    if tp_plan is not None:
-        _autotp(out, tp_plan)
+    _adam_max_grad_norm(out)
+    _autotp(out, tp_plan)
     out.auto = find_auto(out.raw, "")
     return out
 
 
-def _autotp(out: Normalized, tp_plan: Callable[[], str | None]) -> None:
+def _autotp(out: Normalized, tp_plan: Callable[[], str | None] | None) -> None:
     """DeepSpeed's AutoTP (tensor_parallel.autotp_size > 1): tp of that size over the shipped
-    plan that matches the model, as `meshzero plan --search-mesh` infers it."""
+    plan that matches the model, as `meshzero plan --search-mesh` infers it. Without
+    `tp_plan` (no model yet) the size is set and the plan left for initialize to infer."""
     tp = out.raw.get("tensor_parallel")
     size = tp.get("autotp_size") if isinstance(tp, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 1:
-        return  # absent, a no-op value (dropped), or a wrong type the schema reports
+        return  # absent, 0 or 1 (no AutoTP), or a wrong type the schema reports
     assert isinstance(tp, dict)  # the size was read from it
-    plan = tp.get("plan") or tp_plan()
-    if plan is None:
-        out.problems.append(f"tensor_parallel.autotp_size = {size}: no shipped tensor-parallel "
-                            "plan matches the model; give tensor_parallel.plan")
-        return
     if tp.get("size", size) != size:
         out.problems.append(f"tensor_parallel.autotp_size = {size} and tensor_parallel.size = "
                             f"{tp['size']} disagree; give one")
         return
-    del tp["autotp_size"]
-    tp.update(size=size, plan=plan)
+    tp["size"] = size
+    if tp.get("plan") is not None:
+        return
+    if tp_plan is None:
+        out.needs_model = True  # the schema keeps autotp_size as the plan still to infer
+        return
+    plan = tp_plan()
+    if plan is None:
+        out.problems.append(f"tensor_parallel.autotp_size = {size}: no shipped tensor-parallel "
+                            "plan (gpt, hf_gpt2, llama) matches the model's modules; give "
+                            "tensor_parallel.plan ({module pattern: colwise|rowwise|vocab})")
+        return
+    tp["plan"] = plan
 
 
-# --- "auto" ---------------------------------------------------------------------------------
+def _old_zero(out: Normalized) -> None:
+    """DeepSpeed's oldest ZeRO spelling, ``"zero_optimization": true`` (stage 1, its bucket
+    in the top-level ``allgather_size``) or false (stage 0)."""
+    value = out.raw.get("zero_optimization")
+    if not isinstance(value, bool):
+        return
+    zc: dict[str, Any] = {"stage": 1 if value else 0}
+    if value and "allgather_size" in out.raw:
+        zc["allgather_bucket_size"] = out.raw.pop("allgather_size")
+    out.raw["zero_optimization"] = zc
+    out.deprecations.append(f"zero_optimization: {str(value).lower()} is DeepSpeed's deprecated "
+                            f"spelling of zero_optimization.stage {zc['stage']}")
 
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
-
-def is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
-
-
-def _resolve_auto(out: Normalized, hidden_size: int | None) -> None:
-    """Hugging Face's resolution where meshzero has the same inputs: a batch key "auto" is
-    derived from the others (as if absent); with the model's hidden size h, reduce_bucket_size
-    h*h, stage3_prefetch_bucket_size 0.9*h*h and stage3_param_persistence_threshold 10*h.
-    Every other "auto" stays, for `load_config` to list."""
-    for key in BATCH_KEYS:
-        if is_auto(out.raw.get(key)):
-            del out.raw[key]
+def _zero_aio(out: Normalized) -> None:
+    """An ``aio`` block written inside ``zero_optimization`` is read as the top-level one."""
     zc = out.raw.get("zero_optimization")
-    if isinstance(zc, dict) and hidden_size is not None:
-        h = hidden_size
-        fills = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
-                 "stage3_param_persistence_threshold": 10 * h}
-        for key, value in fills.items():
-            if is_auto(zc.get(key)):
-                zc[key] = value
+    if not isinstance(zc, dict) or "aio" not in zc:
+        return
+    block = zc.pop("aio")
+    if "aio" in out.raw and out.raw["aio"] != block:
+        out.problems.append("zero_optimization.aio and aio are both given and differ; aio "
+                            "belongs at the top level: keep that one")
+        return
+    out.raw["aio"] = block
+    out.warnings.append("zero_optimization.aio: aio belongs at the top level of the config, "
+                        "not inside zero_optimization; read as the top-level aio")
+
+
+def _retired(out: Normalized) -> None:
+    for key, why in RETIRED.items():
+        if key in out.raw:
+            del out.raw[key]
+            out.deprecations.append(f"{key} is retired in DeepSpeed ({why}); accepted as a "
+                                    "no-op")
+
+
+ADAM_TYPES = ("adam", "adamw")
+
+
+def _adam_max_grad_norm(out: Normalized) -> None:
+    """optimizer.params.max_grad_norm on Adam: DeepSpeed's fused Adam does not read it."""
+    opt = out.raw.get("optimizer")
+    params = opt.get("params") if isinstance(opt, dict) else None
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    if not isinstance(params, dict) or "max_grad_norm" not in params or not isinstance(
+            kind, str) or kind.lower() not in ADAM_TYPES:
+        return
+    value = params.pop("max_grad_norm")
+    out.warnings.append(f"optimizer.params.max_grad_norm = {value!r} is ignored: {kind} does "
+                        "not clip (DeepSpeed's fused Adam ignores it too); clip with the "
+                        "top-level gradient_clipping")
+
+
+# --- "auto" left after config.auto resolved what it can ------------------------------
 
 
 def find_auto(node: Any, key: str) -> list[str]:
@@ -336,17 +410,3 @@ def drop_auto(raw: dict[str, Any], keys: list[str]) -> None:
         parent, last = _get(raw, key.split("[")[0])
         if parent is not None:
             parent.pop(last, None)
-
-
-def hidden_size_of(model: Any) -> int | None:
-    """The hidden size Hugging Face's integration reads: model.config.hidden_size, or the
-    largest of hidden_sizes; also d_model / n_embd spellings. None when there is none."""
-    cfg = getattr(model, "config", None)
-    for name in ("hidden_size", "d_model", "n_embd"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    sizes = getattr(cfg, "hidden_sizes", None)
-    if isinstance(sizes, list | tuple) and sizes and all(isinstance(s, int) for s in sizes):
-        return max(sizes)
-    return None

@@ -41,12 +41,10 @@ def read_json(path: Path) -> Any:
 
 def auto_message(key: str) -> str:
     return (
-        f"config key '{key}' is 'auto': meshzero resolves 'auto' only in the batch keys (from "
-        "each other) and, when initialize is given the model, in reduce_bucket_size, "
-        "stage3_prefetch_bucket_size and stage3_param_persistence_threshold (from its hidden "
-        "size); replace it with a value "
-        "(Hugging Face's Trainer fills its own 'auto' keys before it hands the config over; "
-        "meshzero.hf.MeshzeroTrainer resolves them from its TrainingArguments)"
+        f"config key '{key}' is 'auto': meshzero fills 'auto' where Hugging Face's Trainer or "
+        "Accelerate would (docs/migration-keys.md lists each key and its rule), and this one "
+        "has no value without a run; replace it with a value (meshzero.hf.MeshzeroTrainer "
+        "fills the Trainer's keys from its TrainingArguments)"
     )
 
 

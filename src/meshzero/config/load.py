@@ -1,6 +1,7 @@
 """`load_config`: a dict, a JSON file or a `Config` in, a validated `Config` or one
 `ConfigError` listing every problem out."""
 
+import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -8,8 +9,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from meshzero.config.compat import drop_auto, hidden_size_of, normalize
+from meshzero.config.auto import model_facts
+from meshzero.config.compat import drop_auto, normalize
 from meshzero.config.errors import ConfigError, auto_message, describe, read_json, report
+from meshzero.config.ignored import drop_ignored
 from meshzero.config.schema import Config
 
 
@@ -17,13 +20,19 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
                 model: Any = None, tp_plan: Callable[[], str | None] | None = None) -> Config:
     """Validate a ds_config given as a dict, a path to a JSON file or a `Config`.
 
-    DeepSpeed's aliases, hints and no-op values are accepted (config.compat). "auto" values
-    are resolved as Hugging Face's integration resolves them where the inputs are known: batch
-    keys from each other, and with `model` (its config's hidden size) the bucket sizes and the
-    persistence threshold; every other "auto" is refused, with every other problem, in one
-    `ConfigError`. `tp_plan` infers a tensor-parallel plan for AutoTP's autotp_size."""
+    DeepSpeed's aliases, hints, retired keys and no-op values are accepted (config.compat),
+    and an unknown top-level key that is no misspelling is ignored with a warning, as
+    DeepSpeed ignores it (config.ignored). "auto" is resolved as Hugging Face's Trainer and
+    Accelerate resolve it without their arguments (config.auto); with `model`, the values
+    the model decides (its hidden size, its parameters' dtype). `tp_plan` infers a
+    tensor-parallel plan for AutoTP's autotp_size. A `Config` loaded without the model it
+    needed is resolved again when `model` is given. Every problem is in one `ConfigError`."""
     if isinstance(config, Config):
-        return config
+        pending = config._needs_model
+        # (a copy changed with model_copy keeps the dict but not the values: kept as it is)
+        if pending is None or model is None or pending[1] != config.model_dump():
+            return config
+        return load_config(pending[0], model=model, tp_plan=tp_plan)
     if isinstance(config, (str, os.PathLike)):
         raw, source = read_json(Path(config)), f"config file '{config}'"
     elif isinstance(config, dict):
@@ -32,8 +41,9 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
         raise ConfigError(f"expected a dict, a JSON file path or a Config, got {type(config)}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
-    norm = normalize(raw, hidden_size_of(model) if model is not None else None, tp_plan)
-    problems = norm.problems + [auto_message(key) for key in norm.auto]
+    norm = normalize(raw, model_facts(model) if model is not None else None, tp_plan)
+    ignored, misspelt = drop_ignored(norm.raw)
+    problems = norm.problems + misspelt + [auto_message(key) for key in norm.auto]
     drop_auto(norm.raw, norm.auto)  # the schema then reports only the other problems
     try:
         validated = Config.model_validate(norm.raw)
@@ -44,6 +54,10 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
         raise ConfigError(report(source, problems))
     validated._hints = tuple(norm.hints)
     validated._deprecations = tuple(norm.deprecations)
+    validated._auto_resolved = tuple(norm.resolved)
+    validated._warnings = tuple(norm.warnings + ignored)
+    if norm.needs_model and model is None:
+        validated._needs_model = (copy.deepcopy(raw), validated.model_dump())
     return validated
 
 

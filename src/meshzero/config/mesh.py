@@ -13,13 +13,15 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 
 
 class TensorParallelConfig(Section):
-    """`tensor_parallel` (meshzero's key; DeepSpeed's AutoTP keys are not accepted): size of
-    the tp axis (inside a node), the plan (a shipped plan's name or {pattern: style}) and
-    Megatron sequence parallelism."""
+    """`tensor_parallel`: size of the tp axis (inside a node), the plan (a shipped plan's name
+    or {pattern: style}) and Megatron sequence parallelism. DeepSpeed's AutoTP key
+    autotp_size > 1 sets size and leaves the plan to be inferred from the model at
+    initialize (config.compat)."""
 
     size: PosInt = 1
     plan: Annotated[str, Strict(), Field(min_length=1)] | dict[str, str] | None = None
     sequence_parallel: Bool = False
+    autotp_size: NonNegInt = 0
 
 
 class PipelineParallelConfig(Section):

@@ -2,7 +2,7 @@
 together. Each default lives on its field and each rule in one place: the estimator reads a
 `Config` rather than restating them."""
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -63,6 +63,13 @@ class Config(BaseModel):
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())
     _deprecations: tuple[str, ...] = PrivateAttr(default=())
+    # each "auto" load_config resolved (one INFO line each at initialize), the keys it read
+    # and ignored (one WARNING each), and, when an "auto" or AutoTP's plan depends on the
+    # model and none was given, the dict to resolve again when initialize gives it (and the
+    # values it gave, to tell a copy changed since)
+    _auto_resolved: tuple[str, ...] = PrivateAttr(default=())
+    _warnings: tuple[str, ...] = PrivateAttr(default=())
+    _needs_model: tuple[dict[str, Any], dict[str, Any]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -107,6 +114,16 @@ class Config(BaseModel):
     def deprecations(self) -> tuple[str, ...]:
         """Deprecated DeepSpeed spellings that load_config renamed."""
         return self._deprecations
+
+    @property
+    def auto_resolved(self) -> tuple[str, ...]:
+        """Each "auto" load_config filled: the key, its value and the rule (config.auto)."""
+        return self._auto_resolved
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Keys load_config read and ignored, or read elsewhere than written, with why."""
+        return self._warnings
 
     def grad_predivide(self, dp_size: int) -> float:
         """What gradients are divided by before the data-parallel sum (the step divides by
@@ -157,7 +174,7 @@ def _mesh_problems(config: Config) -> list[str]:
         problems.append("tensor_parallel.size > 1 with offload_optimizer.device 'nvme' is not "
                         "supported yet (the NVMe gradient norm does not weigh replicated "
                         "tensors); use 'cpu'")
-    if tp.size > 1 and tp.plan is None:
+    if tp.size > 1 and tp.plan is None and tp.autotp_size != tp.size:  # AutoTP: at initialize
         problems.append(f"tensor_parallel.size = {tp.size} needs tensor_parallel.plan: a shipped "
                         "plan's name (gpt, hf_gpt2, llama) or {module pattern: "
                         "colwise|rowwise|vocab}")

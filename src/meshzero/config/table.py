@@ -14,12 +14,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from meshzero.config.auto import AUTO_RULES
 from meshzero.config.compat import (
     ALIASES,
     HINTS,
     NOOP_VALUES,
     OFF_WHEN_DISABLED,
     OLD_OFFLOAD,
+    RETIRED,
     VALUE_ALIASES,
 )
 from meshzero.config.optimizer import (
@@ -95,6 +97,31 @@ def _value(values: tuple[Any, ...]) -> str:
     return " or ".join(f"`{v}`" for v in shown)
 
 
+IGNORED_TEXT = (
+    "A top-level key that is none of these and no misspelling of one is ignored with one "
+    "WARNING, as DeepSpeed's parser ignores it (`cuda_visible_devices`, a project's own "
+    "settings). A misspelling stays an error naming the key meant: within edit distance 2 of "
+    "a known top-level key, or a key of a section written at the top level (`stage`). Keys "
+    "inside a section are always checked. An `aio` block written inside `zero_optimization` "
+    "is read as the top-level `aio`, with a warning; `optimizer.params.max_grad_norm` on "
+    "`Adam` / `AdamW` is ignored with a warning pointing to `gradient_clipping` (DeepSpeed's "
+    "fused Adam ignores it too).")
+
+
+def _auto_rows() -> list[str]:
+    """The "auto" table: config.auto's rules, one row per key."""
+    rows = ["", '## `"auto"`', "",
+            "Filled where Hugging Face's Trainer or Accelerate fill it, with the value they pick "
+            "when no `TrainingArguments` or Accelerate settings are given; one INFO line per "
+            "key at `initialize`. `MeshzeroTrainer` fills the Trainer's keys from its "
+            "arguments first ([Hugging Face Trainer](trainer.md)). An `\"auto\"` anywhere "
+            "else is refused, listed with every other problem.", "",
+            "| key | Trainer / Accelerate | meshzero without their arguments |",
+            "| --- | --- | --- |"]
+    rows += [f"| `{rule.key}` | {rule.hf} | {rule.rule} |" for rule in AUTO_RULES]
+    return rows + [""]
+
+
 def render() -> str:
     """The whole table as markdown."""
     out = [HEADER, "## Honoured: the same meaning as in DeepSpeed", "",
@@ -120,13 +147,13 @@ def render() -> str:
     out += [f"| `{key}` | {_value(values)} |" for key, values in NOOP_VALUES.items()]
     out += [f"| `{name}` | `{{\"enabled\": false, ...}}` |" for name in OFF_WHEN_DISABLED]
     out += [f"| `zero_optimization.{old}` | `false` |" for old in OLD_OFFLOAD]
-    out += ["", '## `"auto"`', "",
-            "Resolved as Hugging Face's integration resolves it where meshzero has the same "
-            "inputs: `train_batch_size`, `train_micro_batch_size_per_gpu` and "
-            "`gradient_accumulation_steps` from each other; with the model given to "
-            "`initialize` (its `config.hidden_size` h), `reduce_bucket_size` = h*h, "
-            "`stage3_prefetch_bucket_size` = 0.9*h*h, `stage3_param_persistence_threshold` = "
-            "10*h. Every other `\"auto\"` is refused, listed with all other problems.", ""]
+    out += _auto_rows()
+    out += ["## Retired in DeepSpeed: accepted as no-ops (a deprecation line)", "",
+            "| key | what DeepSpeed does with it |", "| --- | --- |"]
+    out += [f"| `{key}` | {why} |" for key, why in RETIRED.items()]
+    out += ["| `zero_optimization: true` / `false` | DeepSpeed's oldest spelling of "
+            "`zero_optimization.stage` 1 / 0 (renamed) |", "",
+            "## Keys nobody reads", "", IGNORED_TEXT, ""]
     out += ["## Refused: would change results, not implemented yet", "",
             "| key | what it asks for |", "| --- | --- |"]
     out += [f"| `{key}` | {note} |" for key, note in UNSUPPORTED_KEYS.items()]

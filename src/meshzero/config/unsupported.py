@@ -27,6 +27,10 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
-    "tensor_parallel.autotp_size": "AutoTP needs the model to infer a plan: pass it to "
-                                   "initialize, or give tensor_parallel.size and plan",
+    "gradient_allreduce_op": "'sum' adds the data-parallel gradients instead of averaging",
+    "managed_gradient_accumulation": "gradient accumulation managed outside the engine",
+    "quantize_training": "MoQ quantize-aware training",
+    "weight_quantization": "weight quantization",
+    "expert_parallel": "AutoEP MoE expert parallelism",
+    "comet": "the Comet ML monitor; use tensorboard, wandb or csv_monitor",
 }

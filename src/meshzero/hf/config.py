@@ -15,6 +15,10 @@ DeepSpeed integration:
                                      total_num_steps (the Trainer's max_steps)
     fp16.enabled / bf16.enabled      fp16 / bf16
     zero_optimization buckets        hidden_size**2, 0.9 * hidden_size**2, 10 * hidden_size
+
+Every other "auto" Hugging Face or Accelerate fill (Accelerate's
+stage3_gather_16bit_weights_on_model_save, the offload devices, ...) is left for
+``load_config`` to fill with their defaults (meshzero.config.auto).
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ their rotation); the engine takes the model, its gradients and the optimizer:
     checkpoint-N      the Trainer's files + the engine's sharded checkpoint in ``meshzero/``,
                       loadable at another world size and stage
 
-The override points past the public ones are Trainer internals; the class checks at import
-that they exist (see ``_HOOKS``) so a transformers release that renames one fails here, by
-name, rather than training wrongly.
+The override points past the public ones are Trainer internals; the module checks at import
+that they exist with the parameters it relies on (``INTERNALS``), so a transformers release
+that renames or reshapes one fails here, by name, rather than training wrongly.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -41,17 +42,50 @@ from meshzero.config import Config, ConfigError, load_config
 from meshzero.hf.config import argument_values, read_raw_config, resolve_auto
 
 MESHZERO_DIR = "meshzero"  # the engine's sharded checkpoint inside checkpoint-N
-TESTED_TRANSFORMERS = "5.24"
-_HOOKS = ("_prepare_for_training", "_load_from_checkpoint", "_save_optimizer_and_scheduler",
-          "_clip_grad_norm", "_get_grad_norm", "_wrap_model", "_prepare_inputs",
-          "create_scheduler", "get_optimizer_cls_and_kwargs", "get_decay_parameter_names")
-_missing = [name for name in _HOOKS if not hasattr(Trainer, name)]
-if _missing:
+SUPPORTED_TRANSFORMERS = ">=5.17,<6"  # pyproject's hf extra; 5.17.0 and 5.25.0 tested
+# The Trainer internals MeshzeroTrainer overrides, with the parameters it relies on; the
+# public hooks it uses (training_step, compute_loss, create_scheduler, save_model, ...) are
+# documented API. A release that drops or reshapes one fails at import, naming it.
+INTERNALS: dict[str, tuple[str, ...]] = {
+    "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_wrap_model": ("model", "training", "dataloader"),
+    "_prepare_inputs": ("inputs",),
+    "get_optimizer_cls_and_kwargs": ("args", "model"),
+    "get_decay_parameter_names": ("model",),
+    "create_scheduler": ("num_training_steps", "optimizer"),
+}
+# attributes Trainer.__init__ sets that training_step reads (checked once built)
+INSTANCE_ATTRIBUTES = ("model_accepts_loss_kwargs", "compute_loss_func", "accelerator",
+                       "callback_handler")
 
-    raise ImportError(f"meshzero.hf.MeshzeroTrainer overrides Trainer methods {_missing} that "
-                      f"transformers {transformers.__version__} does not have; install the "
-                      f"tested version: pip install 'meshzero[hf]' (transformers "
-                      f"{TESTED_TRANSFORMERS})")
+
+def missing_internals(trainer: type) -> list[str]:
+    """Each entry of `INTERNALS` that `trainer` lacks or whose parameters changed."""
+    out = []
+    for name, params in INTERNALS.items():
+        method = getattr(trainer, name, None)
+        if method is None:
+            out.append(f"{name} (missing)")
+            continue
+        have = inspect.signature(method).parameters
+        if any(p not in have for p in params):
+            out.append(f"{name}{tuple(have)} (meshzero calls it with {params})")
+    return out
+
+
+def _unsupported(what: list[str]) -> str:
+    return (f"meshzero.hf.MeshzeroTrainer needs Trainer internals that transformers "
+            f"{transformers.__version__} lacks or changed: {'; '.join(what)}; install a "
+            f"supported release: pip install 'transformers{SUPPORTED_TRANSFORMERS}' "
+            "(5.17 through 5.25 are tested)")
+
+
+if _missing := missing_internals(Trainer):
+    raise ImportError(_unsupported(_missing))
 
 
 class _EngineOptimizer:
@@ -103,6 +137,9 @@ class MeshzeroTrainer(Trainer):
         self.meshzero_raw_config = read_raw_config(meshzero_config)
         self.engine: meshzero.Engine | None = None
         super().__init__(*args, **kwargs)
+        if lacking := [name for name in INSTANCE_ATTRIBUTES if not hasattr(self, name)]:
+            raise ImportError(_unsupported([f"Trainer.{name} (not set by __init__)"
+                                            for name in lacking]))
         self._check_arguments()
         probe_steps = self.args.max_steps if self.args.max_steps > 0 else 1_000_000
         self.engine_config(probe_steps)  # every config problem now, before any work
@@ -239,8 +276,9 @@ class MeshzeroTrainer(Trainer):
     def _loss_scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
         """The Trainer's own rule: a loss normalised by the tokens of the whole accumulated
         batch (by the model or a ``compute_loss_func``) is not divided again."""
-        if self.loss_is_scaled_for_ga is not None:
-            return bool(self.loss_is_scaled_for_ga)
+        override = getattr(self, "loss_is_scaled_for_ga", None)  # not in transformers 5.17
+        if override is not None:
+            return bool(override)
         return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
             self.compute_loss_func is not None)
 
