@@ -13,13 +13,7 @@ from torch import nn
 
 from meshzero.comm.bare import all_gather_single, reduce_scatter_single, start_exchange
 from meshzero.comm.handle import Handle, WorkList
-from meshzero.comm.stats import (
-    CommStats,
-    failure_named,
-    ring_bytes,
-    tensor_bytes,
-    where_in_training,
-)
+from meshzero.comm.stats import CommStats, failure_named, ring_bytes, tensor_bytes
 
 
 class Communicator:
@@ -55,11 +49,11 @@ class Communicator:
         if self.size == 1:  # a one-rank group: the local copy is the whole collective
             fn(None)
             return Handle(None, stats, issued, None, *buffers)
-        describe = (op, self.name, where_in_training(self.stats.step, self.stats.phase))
+        describe = (op, self.name, self.stats.where())
         with failure_named(*describe):  # gloo may fail at issue too
             work = fn(self.group)
         handle = Handle(work, stats, issued, self.stats.pending, *buffers, describe=describe,
-                        then=then)
+                        then=then, where_now=self.stats.where)
         if not self.async_ops:
             handle.wait()
         return handle
