@@ -158,6 +158,43 @@ def test_failed_nvme_io_refuses_the_step_on_every_rank(tmp_path, stage, grad_acc
             assert torch.equal(r["params"][name], value), (rank, name)
 
 
+# -- the documented recoveries, exactly as written (docs/zero-offload.md, "Atomic steps") --------
+def _documented_recovery(rank: int, world_size: int, root: str) -> dict:
+    """"A file that ... cannot be written raises NvmeIOError ... ("... the optimizer step
+    was not applied on any rank") ... Fix the cause and call engine.step() again to apply
+    the same step": rank 1's disk is full while the step writes its new master tiles."""
+    batches = make_batches("mlp", 3, 8)
+    engine = _train(f"{root}/run", 2, 1, batches[:1], rank, world_size)
+    _batch(engine, batches[1], rank, world_size)
+    free_space = _inject_on("pwrite", "master.", errno.ENOSPC) if rank == 1 else None
+    with pytest.raises(NvmeIOError) as info:
+        engine.step()
+    if free_space is not None:
+        free_space()  # fix the cause
+    out = {"error": str(info.value), "retry": engine.step()}  # and call engine.step() again
+    _batch(engine, batches[2], rank, world_size)
+    engine.step()
+    out["params"] = engine.full_state_dict()
+    engine.close()
+    engine = _train(f"{root}/ref", 2, 1, batches, rank, world_size)  # never interrupted
+    out["want"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def test_a_failed_step_write_is_recovered_as_documented(tmp_path):
+    for sub in ("run", "ref"):
+        (tmp_path / sub).mkdir()
+    results = run_distributed(_documented_recovery, 2, tmp_path, str(tmp_path), timeout=90)
+    for rank, r in enumerate(results):
+        assert "the optimizer step was not applied on any rank" in r["error"], r["error"]
+        assert "master.0 cannot be written: [ENOSPC]" in r["error"], r["error"]
+        assert ("another rank" in r["error"]) == (rank == 0), r["error"]
+        assert r["retry"] is True
+        for name, value in r["want"].items():
+            assert torch.equal(r["params"][name], value), (rank, name)
+
+
 # -- a real full disk (tmpfs) ------------------------------------------------------------------
 def _fill(path: str) -> None:
     with open(path, "wb") as f, contextlib.suppress(OSError):
