@@ -24,13 +24,16 @@ class Handle:
                  pending: dict[int, Handle] | None, *buffers,
                  describe: tuple[str, str, str] | None = None,
                  then: Callable[[], object] | None = None,
-                 where_now: Callable[[], str] | None = None):
+                 where_now: Callable[[], str] | None = None,
+                 before_wait: Callable[[], None] | None = None):
         """``describe``: (op, group, where it was issued) for the error if the wait fails;
         ``where_now``: where training is as the rank waits, named first in that error (a
         reduction issued in backward and waited on in a checkpoint save fails in the save).
         ``then``: run on the waiting thread once the op has completed (part of the op: its
-        exposed time)."""
+        exposed time). ``before_wait``: called before blocking on the op (the check posted
+        ahead, CommStats.before_wait)."""
         self._work = work
+        self._before_wait = before_wait
         self._where_now = where_now
         self._then = then
         self._describe = describe
@@ -47,6 +50,10 @@ class Handle:
     def wait(self) -> None:
         if self._buffers is None:
             return
+        if self._work is not None and self._before_wait is not None:
+            self._before_wait()  # may wait on this very op (the check posted ahead)
+            if self._buffers is None:
+                return
         if self._work is not None:
             t0 = time.perf_counter()
             done_before = self._work.is_completed()

@@ -131,6 +131,16 @@ class CommStats:
     # what holds the engine's process groups (every Communicator counting here, the mesh,
     # the pipeline): objects with a drop_groups() method
     group_holders: list[Any] = field(default_factory=list, repr=False)
+    # a check posted ahead and not waited on (faults/phase.py): run before any op's wait
+    gate: Callable[[], None] | None = field(default=None, repr=False)
+
+    def before_wait(self) -> None:
+        """Before a rank blocks on a collective: settle the check posted ahead (``gate``),
+        which raises if the ranks are in different engine calls, so a rank never waits for
+        a peer that will not come."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate()
 
     def drop_groups(self) -> None:
         """At the end of an engine: nothing of it holds a process group any more, so a group

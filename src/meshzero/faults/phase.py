@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from meshzero.comm import CommStats, Communicator
+from meshzero.comm import CommStats, Communicator, Handle
 
 TRAINING = ("forward", "backward", "step")
 # an engine call between steps -> the phase its collectives are counted and named in
@@ -62,13 +62,30 @@ class PhaseCheck:
         self.ranks = [0] if comm is None or comm.group is None \
             else dist.get_process_group_ranks(comm.group)
         self.posts = 0  # rows exchanged (the cost: one small all-gather each)
+        self._ahead: tuple[Handle, torch.Tensor] | None = None  # posted, not yet waited on
 
     def enter(self, phase: str, post: bool = True) -> None:
-        """A training phase starts (``forward``, ``backward``, ``step``): collectives are
-        named in it from now on; ``post``: a collective follows, check first."""
+        """A training phase starts (``backward``, ``step``): collectives are named in it from
+        now on; ``post``: collectives follow, so post the phase ahead of them (settled before
+        the first wait on any of them: its latency hides behind the backward's compute and
+        the step's first collective)."""
         self.stats.phase = phase
-        if post:
-            self.post()
+        if post and self.comm is not None:
+            self.settle()
+            every = self._every()
+            self._ahead = (self.comm.all_gather(every, self._row(()), op="phase_check"), every)
+            self.stats.gate = self.settle
+
+    def settle(self) -> None:
+        """Wait for the phase posted ahead, if any; PhaseError where the ranks differ."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        if self.stats.gate == self.settle:
+            self.stats.gate = None
+        handle, every = ahead
+        handle.wait()
+        self._check(every)
 
     @contextmanager
     def entry(self, call: str) -> Iterator[None]:
@@ -86,22 +103,39 @@ class PhaseCheck:
         comm = self.comm
         if comm is None:
             return None
+        self.settle()  # a phase posted ahead comes first on the group
+        every = self._every()
+        comm.all_gather(every, self._row(payload), op=op).wait()
+        return self._check(every)
+
+    def _row(self, payload: Sequence[int]) -> torch.Tensor:
+        """[phase code, step, payload..., -1 padding] (width,) int64 on the device."""
         assert len(payload) <= self.width - 2, "a payload wider than the check was built for"
+        self.posts += 1
         phase = self.stats.phase
         mine = torch.full((self.width,), -1, dtype=torch.int64)
         mine[0] = PHASES.index(phase) if phase in PHASES else len(PHASES)
         mine[1] = -1 if self.stats.step is None else self.stats.step
         mine[2:2 + len(payload)] = torch.tensor(list(payload), dtype=torch.int64)
-        every = torch.empty(comm.size * self.width, dtype=torch.int64, device=self.device)
-        comm.all_gather(every, mine.to(self.device), op=op).wait()
-        self.posts += 1
-        rows = every.view(comm.size, self.width).tolist()
+        return mine.to(self.device)
+
+    def _every(self) -> torch.Tensor:
+        assert self.comm is not None  # called only with a group
+        return torch.empty(self.comm.size * self.width, dtype=torch.int64, device=self.device)
+
+    def _check(self, every: torch.Tensor) -> list[list[int]]:
+        """Every rank's payload row, after PhaseError if the ranks' phases differ."""
+        rows = every.view(-1, self.width).tolist()
         if any(row[0] != rows[0][0] for row in rows):
             raise PhaseError(self._mismatch(rows))
         return [row[2:] for row in rows]
 
     def close(self) -> None:
-        """Destroy the control group (the engine's end)."""
+        """Destroy the control group (the engine's end); a phase posted ahead is dropped
+        (the engine's end waits for or releases the ops in flight first)."""
+        self._ahead = None
+        if self.stats.gate == self.settle:
+            self.stats.gate = None
         if self.comm is not None and self.comm.group is not None:
             # the user's destroy_process_group() (no argument) before the engine's end has
             # destroyed this group with every other: nothing left to destroy

@@ -65,7 +65,9 @@ def order_check_communicator(comm: Communicator,
     for ranks in all_gather_objects(mine, dist.group.WORLD):
         if tuple(ranks) not in groups:
             groups[tuple(ranks)] = dist.new_group(list(ranks), timeout=timeout)
-    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node)
+    # a few bytes per rank: gloo's own all-gather (the point-to-point one is for data)
+    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node,
+                        point_to_point=False)
 
 
 class GatheredMemory:
