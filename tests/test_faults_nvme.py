@@ -301,6 +301,48 @@ def test_signal_removes_the_files_and_ends_the_process_by_it(tmp_path, signals):
         assert _runs(path) == [], (sig, _runs(path))
 
 
+BLOCKED_SCRIPT = """
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from torch import nn
+import meshzero
+cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                               "nvme_path": sys.argv[1]}}}
+engine, *_ = meshzero.initialize(model=nn.Linear(8, 8), config=cfg)
+engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+engine.step()
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+print("ready", flush=True)
+# blocked in C++ with the GIL released, as in a collective's wait: Python's handler waits
+store.wait(["never"], timedelta(seconds=float(sys.argv[2])))
+"""
+
+
+def test_sigterm_removes_the_files_while_the_main_thread_is_blocked(tmp_path):
+    """The race behind files left after SIGTERM to torchrun: a rank blocked in a collective
+    runs no Python handler until the wait ends, and torchrun's SIGKILL comes 30 s after its
+    SIGTERM. The files go at once anyway; the process still ends by SIGTERM."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
+    blocked_s = 8.0
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_SCRIPT, str(tmp_path), str(blocked_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.communicate(timeout=60))
+    assert len(_runs(tmp_path)) == 1
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    while _runs(tmp_path) and time.monotonic() - t0 < blocked_s / 2:
+        time.sleep(0.05)
+    removed_after = time.monotonic() - t0
+    _, err = proc.communicate(timeout=60)
+    assert removed_after < blocked_s / 2 and _runs(tmp_path) == [], (removed_after, err[-2000:])
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err[-2000:])
+
+
 TORCHRUN_SCRIPT = """
 import os, sys, time, torch
 import torch.distributed as dist
