@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import random
 import re
 import signal
 import socket
@@ -366,13 +367,12 @@ while True:
 """
 
 
-@pytest.mark.slow
-def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
-    """What Slurm and Kubernetes do at preemption: SIGTERM to the launcher, which sends it
-    on to its workers."""
+def _sigterm_torchrun(tmp_path, delay: float) -> None:
+    """One torchrun of TORCHRUN_SCRIPT, SIGTERM to the launcher ``delay`` s after the
+    ranks are training; no NVMe directory may be left."""
     script, nvme = tmp_path / "job.py", tmp_path / "nvme"
+    nvme.mkdir(parents=True)
     script.write_text(TORCHRUN_SCRIPT)
-    nvme.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node=2", str(script), str(nvme)],
@@ -381,10 +381,21 @@ def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
     line = proc.stdout.readline()
     assert line.strip() == "ready", (line, proc.communicate(timeout=120))
     assert len(_runs(nvme)) == 2  # one directory per rank
+    time.sleep(delay)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0, err[-2000:]
-    assert _runs(nvme) == [], (_runs(nvme), err[-2000:])
+    assert _runs(nvme) == [], (delay, _runs(nvme), err[-2000:])
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
+    """What Slurm and Kubernetes do at preemption: SIGTERM to the launcher, which sends it
+    on to its workers; 20 launches, each killed at a random point of the training loop
+    (a rank in backward, in a step, or blocked in a collective's wait)."""
+    delays = random.Random(27).sample(range(0, 2000), 20)
+    for i, delay_ms in enumerate(delays):
+        _sigterm_torchrun(tmp_path / f"launch{i}", delay_ms / 1000)
 
 
 # -- stale directories ---------------------------------------------------------------------------

@@ -110,8 +110,7 @@ class ParameterSharder:
         ``secondary_comm`` (ZeRO++ hpZ): after forward each rank keeps 1/k of the unit, k the
         size of this group, and backward all-gathers over it (inside a node) instead of over
         every data-parallel rank. ``unit_names``: module paths, for error messages.
-        ``phases``: the engine's phase check, which carries the unit-order check (None: one
-        rank, no check)."""
+        ``phases``: the phase check the unit-order check rides on (None: no check)."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
@@ -132,8 +131,7 @@ class ParameterSharder:
         self.phases = phases or PhaseCheck(None, comm.stats, self.device)
         self.recording = True
         self.in_backward = False
-        self.fwd_pos = 0
-        self.bwd_pos = 0
+        self.fwd_pos = self.bwd_pos = 0
         self.unit_names = unit_names or [str(u) for u in range(len(self.units))]
         self.depth = [0] * len(self.units)  # calls of each unit in progress (recursion)
         self.sticky: set[int] = set()  # gathered until the end of backward or the step
