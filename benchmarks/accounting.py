@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
             states = sum(mem.values())
             # parameter and gradient traffic (not the 8-byte unit-order and step checks)
             comm = sum(v["bytes"] for k, v in res["comm"].items()
-                       if k not in ("order_check", "step_check"))
+                       if k not in ("order_check", "phase_check", "step_check"))
             f_states, f_comm = formulas(stage, res["psi"], n, args.bf16, args.grad_dtype,
                                         not args.no_reuse)
             ratio = f"{comm / f_comm:.4f}" if f_comm else "-"

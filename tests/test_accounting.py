@@ -138,8 +138,12 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
         want = {"reduce_scatter": (units, _ring(padded, world_size)),
                 "all_gather": (units, _ring(padded, world_size))}
         if world_size > 1:  # one unit-order check before the gathers of a hook: the root's
-            # forward hook gathers every unit (prefetch), [count, units, padding] in int64
-            want["order_check"] = (1, _ring(8 * (units + 1) * world_size, world_size))
+            # forward hook gathers every unit (prefetch), [phase, step, count, units,
+            # padding] in int64 (faults/phase.py)
+            want["order_check"] = (1, _ring(8 * (units + 3) * world_size, world_size))
+    if world_size > 1:  # the phase check before the backward's reduction and the step's
+        width = 2 + (units + 1 if stage == 3 else 0)
+        want["phase_check"] = (2, 2 * _ring(8 * width * world_size, world_size))
     if stage >= 1:  # the non-finite check: two float64 all-reduced once per step
         want["step_check"] = (1, 2 * _ring(16, world_size))
     for r in results:

@@ -123,7 +123,8 @@ def test_model_states_equal_memory_report(tmp_path, world_size):
         # the planner's communication volume is what the engine sends
         # (stage 3's 8-byte unit-order checks, the step's non-finite check and the NVMe tier's
         # I/O flags, all step_check, are not parameter traffic: not planned)
-        data = [op for name, op in comm.items() if name not in ("order_check", "step_check")]
+        control = ("order_check", "phase_check", "step_check")  # the phase check too
+        data = [op for name, op in comm.items() if name not in control]
         sent = sum(op["bytes"] for op in data)
         ops = sum(op["count"] for op in data)
         assert communication_bytes(states.layout, settings) == pytest.approx(sent, abs=ops)

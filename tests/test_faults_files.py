@@ -120,15 +120,18 @@ def resave(tmp_path_factory) -> dict:
 def _check_resave_kills(resave: dict, tmp_path: Path, points: list[int], world_size: int = 1,
                         kill_rank: int = 0) -> None:
     steps, reference = resave["steps"], resave["reference"]
-    # the committed copy moves away here; a kill at or after it rolls the new copy forward
-    old = ("rename", f".old-{TAG}")
-    moved = steps.index(old) if old in steps else len(steps)
+    # the new copy takes the tag's place here (one swap); a kill after it keeps the new copy
+    swap = ("exchange", TAG)
+    moved = steps.index(swap) if swap in steps else len(steps)
     roots = []
     for k in points:
         root = tmp_path / f"kill{k}"
         with pytest.raises(DistributedTestError, match="exited with code -9"):
             run_distributed(_resave, world_size, tmp_path, str(root), k, kill_rank)
         roots.append(str(root))
+        # before any recovery: 'latest' names a complete tag, the one a resume loads
+        latest = (root / "latest").read_text()
+        assert latest == TAG and tag_complete(root / latest), f"killed before step {k}"
     results = run_distributed(_resume_each, world_size, tmp_path, roots)[0]
     for k, root, got in zip(points, roots, results, strict=True):
         where = f"killed before step {k} {steps[k]}"
@@ -146,26 +149,53 @@ def _check_resave_kills(resave: dict, tmp_path: Path, points: list[int], world_s
 
 
 def test_resave_steps_are_the_documented_protocol(resave):
-    kinds = [s for s in resave["steps"] if s[0] in ("rename", "remove", "mkdir")]
+    kinds = [s for s in resave["steps"] if s[0] in ("rename", "exchange", "remove", "mkdir")]
     assert kinds[0] == ("mkdir", f".tmp-{TAG}")
-    renames = [path for kind, path in kinds if kind == "rename"]
-    assert renames == [f".old-{TAG}", TAG, "latest"], renames  # then .old- is removed
-    assert kinds[-1] == ("remove", f".old-{TAG}")
+    moves = [(kind, path) for kind, path in kinds if kind in ("rename", "exchange")]
+    # the new copy and the old swap places in one step; the old (now .tmp-) is removed last
+    assert moves == [("exchange", TAG), ("rename", "latest")], moves
+    assert kinds[-1] == ("remove", f".tmp-{TAG}")
     steps = resave["steps"]
     manifest = steps.index(("write", f".tmp-{TAG}/manifest.json"))
     assert steps[manifest - 1] == ("fsync-dir", f".tmp-{TAG}")  # the rank files' entries
     for name in ("rank00000.safetensors", "shared.safetensors"):  # each file fsynced before
         assert steps.index(("fsync", f".tmp-{TAG}/{name}")) < manifest
-    # the temporary tag directory is fsynced before its rename
-    assert steps[steps.index(("rename", f".old-{TAG}")) - 1] == ("fsync-dir", f".tmp-{TAG}")
+    # the temporary tag directory is fsynced before the swap
+    assert steps[steps.index(("exchange", TAG)) - 1] == ("fsync-dir", f".tmp-{TAG}")
 
 
 def test_killed_resave_of_a_tag_resumes_bit_identically(resave, tmp_path):
     steps = resave["steps"]
-    points = [steps.index(("rename", TAG)),  # .old- and .tmp- complete, the tag missing
-              steps.index(("rename", "latest")),
-              steps.index(("remove", f".old-{TAG}"))]
+    points = [steps.index(("exchange", TAG)),  # the old tag and a complete .tmp-
+              steps.index(("rename", "latest")),  # the new tag, the old one in .tmp-
+              steps.index(("remove", f".tmp-{TAG}"))]
     _check_resave_kills(resave, tmp_path, points)
+
+
+def _latest_at_every_step(rank: int, world_size: int, root: str) -> list:
+    """Re-save 'last' (latest naming it), then save 'other' and re-save 'last' again
+    (latest naming 'other'); before every file-system step of the re-saves and after the
+    last one: (step, the tag latest names, whether that tag is complete)."""
+    engine = make_engine(fp32_config(2))
+    seen: list = []
+
+    def look(kind: str, path: Path) -> None:
+        latest = (Path(root) / "latest").read_text()
+        seen.append((f"{kind} {path.name}", latest, tag_complete(Path(root) / latest)))
+
+    for i, tag in enumerate((TAG, TAG, "other", TAG)):
+        train_steps(engine, rank, world_size, range(i, i + 1))
+        atomic.set_fault_hook(look if i in (1, 3) else None)
+        engine.save_checkpoint(root, tag=tag)
+        atomic.set_fault_hook(None)
+        look("end", Path(root))
+    return seen
+
+
+def test_latest_names_a_complete_tag_at_every_step_of_a_resave(tmp_path):
+    (seen,) = run_distributed(_latest_at_every_step, 1, tmp_path, str(tmp_path / "ck"))
+    assert len(seen) > 40 and {latest for _, latest, _ in seen} == {TAG, "other"}
+    assert [step for step, _, complete in seen if not complete] == []
 
 
 @pytest.mark.slow

@@ -261,7 +261,7 @@ class Engine(nn.Module):
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return False
-        if self.zero.agree_io_failures():  # every rank, before any other collective
+        if self.zero.start_step():  # phase check, I/O failures: before any other collective
             self.micro_steps -= self.grad_accum - 1  # the whole window is run again
             self.zero.refuse_lost_step()
         if not self.zero.has_reduced_gradients():
@@ -270,7 +270,6 @@ class Engine(nn.Module):
                       "is skipped (no optimizer step, no scheduler step, no count)")
             return False
         t0 = time.perf_counter()
-        self.comm_stats.phase = "step"
         self.profiling.set_phase("step")
         clip = self.config.gradient_clipping
         state = self.zero.optim_state
@@ -314,7 +313,7 @@ class Engine(nn.Module):
         return self.guard.finish(overflow, self.global_steps - 1)
 
     def _close_window(self) -> None:
-        self._window_open = False
+        self._window_open, self.comm_stats.step = False, self.global_steps  # calls until next
         self._last_comm = self.comm_stats.by_op()
         self.zero.close_transfer_window()
         self._last_peak = self.zero.memory.peak
@@ -380,7 +379,7 @@ class Engine(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """``{name: full fp32 CPU tensor}`` on every rank (a collective: call it on all)."""
-        with self.zero.materialized():
+        with self.zero.phases.entry("full_state_dict"), self.zero.materialized():
             return self.zero.full_state_dict()
 
     def close(self) -> None:
@@ -420,7 +419,7 @@ class Engine(nn.Module):
                         client_state: Any = None) -> str:
         """Sharded checkpoint ``save_dir/tag`` (default ``global_step{N}``); collective.
         ``client_state`` must be JSON-serialisable. Returns the tag's directory."""
-        with self.zero.materialized():
+        with self.zero.phases.entry("save_checkpoint"), self.zero.materialized():
             return checkpoint.save_checkpoint(self.training_state(), save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
@@ -429,7 +428,7 @@ class Engine(nn.Module):
         """Load a tag (default: ``latest``) saved at any data-parallel size and stage, with
         the same tensor and pipeline parallel sizes; collective. Returns ``(path,
         client_state)``, or ``(None, None)`` if there is no ``latest``."""
-        with self.zero.materialized(write_back=True):
+        with self.zero.phases.entry("load_checkpoint"), self.zero.materialized(True):
             return checkpoint.load_checkpoint(self.training_state(), load_dir, tag,
                                               load_optimizer_states, load_lr_scheduler_states)
 
@@ -445,13 +444,13 @@ class Engine(nn.Module):
                            "stage3_gather_16bit_weights_on_model_save is false; save a "
                            "checkpoint, or set it true")
             return None
-        with self.zero.materialized():
+        with self.zero.phases.entry("save_16bit_model"), self.zero.materialized():
             return checkpoint.save_16bit_model(self.training_state(), save_dir, save_filename)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load safetensors weights (file, index or directory), each rank reading only its
         fragments; collective. Pickle files are refused."""
-        with self.zero.materialized(write_back=True):
+        with self.zero.phases.entry("load_weights"), self.zero.materialized(True):
             checkpoint.load_weights(self.training_state(), path)
 
 

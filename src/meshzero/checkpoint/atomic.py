@@ -21,7 +21,9 @@ Every file-system step calls :func:`fs_step` first. Tests install a hook with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno as errno_codes
+import functools
 import json
 import logging
 import os
@@ -41,7 +43,8 @@ _hook: FaultHook | None = None
 
 def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
     """Call ``hook(kind, path)`` before every file-system step (for fault tests); returns
-    the hook it replaces. Kinds: write, data, fsync, fsync-dir, mkdir, rename, remove."""
+    the hook it replaces. Kinds: write, data, fsync, fsync-dir, mkdir, rename, exchange,
+    remove."""
     global _hook
     previous, _hook = _hook, hook
     return previous
@@ -91,6 +94,39 @@ def rename(src: Path, dst: Path) -> None:
     fs_step("rename", dst)
     with naming(dst, src):
         os.replace(src, dst)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's ``renameat2`` (Linux 3.15+, glibc 2.28+), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the entries ``a`` and ``b`` (both exist) in one atomic step: Linux's
+    ``renameat2(RENAME_EXCHANGE)``, so ``b`` is at every instant the old or the new one, never
+    missing. False, with nothing changed, where the system or the file system has no such
+    call (the caller then moves ``b`` aside first)."""
+    fs_step("exchange", b)
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno_codes.EINVAL, errno_codes.ENOSYS, errno_codes.EOPNOTSUPP):
+        return False  # EINVAL: the file system does not support the flag
+    with naming(b, a):
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def remove_tree(path: Path) -> None:

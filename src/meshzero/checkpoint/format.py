@@ -50,6 +50,7 @@ import torch
 from safetensors import safe_open
 
 from meshzero.checkpoint.atomic import (
+    exchange,
     fs_step,
     fsync_dir,
     json_bytes,
@@ -222,18 +223,25 @@ def prepare_tmp_dir(save_dir: Path, tag: str) -> None:
 
 
 def commit_tag(save_dir: Path, tag: str, directories: Sequence[Path] = ()) -> Path:
-    """Rename the complete ``.tmp-{tag}`` to ``tag`` (an older ``tag`` is first moved to
-    ``.old-{tag}`` and removed last), then point ``latest`` at it. ``directories``: the
-    subdirectories of the temporary tag, fsynced with it before the rename. A kill between
-    the renames leaves ``tag`` missing beside a complete ``.tmp-``/``.old-{tag}``:
-    tags.recover_tags puts it back (docs/failures.md)."""
+    """Put the complete ``.tmp-{tag}`` in place as ``tag``, then point ``latest`` at it.
+    ``directories``: the subdirectories of the temporary tag, fsynced with it first.
+
+    A re-save swaps the two directories in one step (atomic.exchange), so ``tag``, and
+    ``latest`` naming it, are at every instant a complete checkpoint, the old or the new;
+    the old copy, now ``.tmp-{tag}``, is removed last (a kill leaves it for recover_tags).
+    Where the file system cannot swap, the old copy is moved to ``.old-{tag}`` first: a kill
+    between the two renames leaves ``tag`` missing beside a complete ``.tmp-``/``.old-{tag}``,
+    which tags.recover_tags puts back (docs/failures.md)."""
     tmp, final, old = tmp_dir(save_dir, tag), save_dir / tag, old_dir(save_dir, tag)
     for directory in (*directories, tmp):
         fsync_dir(directory)
-    if final.exists():
-        remove_tree(old)
-        rename(final, old)
-    rename(tmp, final)
+    if final.exists() and exchange(tmp, final):
+        old = tmp  # the old copy
+    else:
+        if final.exists():
+            remove_tree(old)
+            rename(final, old)
+        rename(tmp, final)
     fsync_dir(save_dir)
     write_latest(save_dir, tag)
     remove_tree(old)

@@ -11,7 +11,8 @@
 With tensor or pipeline parallelism each (pp, tp) piece of the model is such a checkpoint in a
 subdirectory of the tag, written by the piece's ZeRO ranks (mesh.py). A save is
 atomic: the ranks agree on the tag, write into ``.tmp-{tag}``, world rank 0 writes the
-manifests last, renames the directory to ``{tag}`` and only then points ``latest`` at it; a
+manifests last, renames the directory to ``{tag}`` (a re-save swaps it with the old copy in
+one step) and only then points ``latest`` at it; a
 failed save removes ``.tmp-{tag}``, and every save and load first repairs what a killed one
 left (tags.py). See format.py for the format and docs/failures.md for the guarantees.
 """

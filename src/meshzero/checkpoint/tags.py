@@ -1,9 +1,12 @@
 """Putting a checkpoint directory back in order after a save was killed.
 
-A save writes ``.tmp-{tag}``, and a re-save of an existing tag moves the committed copy to
-``.old-{tag}`` just before renaming the new one into place (format.commit_tag). A kill
-between those two renames leaves ``tag`` missing and ``latest`` perhaps naming it. The rule,
-applied by world rank 0 at the start of every save and load (:func:`recover_tags`)::
+A save writes ``.tmp-{tag}``; a re-save of an existing tag swaps it with the committed copy
+in one atomic step (format.commit_tag, Linux's ``renameat2(RENAME_EXCHANGE)``), so ``tag``
+is never missing and the old copy, now ``.tmp-{tag}``, is removed last. Where the file
+system cannot swap, the committed copy is moved to ``.old-{tag}`` just before the new one is
+renamed into place, and a kill between those two renames leaves ``tag`` missing and
+``latest`` perhaps naming it. The rule, applied by world rank 0 at the start of every save
+and load (:func:`recover_tags`)::
 
     tag missing, .tmp-{tag} complete   -> rename it to tag       (roll forward)
     tag missing, .old-{tag} complete   -> rename it to tag       (roll back)

@@ -22,8 +22,11 @@ comm_timeout``), or whose peer died, raises :class:`CollectiveError` naming the 
 group, the step and the phase, instead of gloo's or NCCL's bare error.
 
 Every op is also counted by phase (``CommStats.phase``: forward, backward, step, set by the
-engine) and as inside-node or across-node: a collective over a group whose ranks sit on more
-than one node (``Topology.node_of``) counts all its bytes as across-node.
+engine; a checkpoint save or load, ``full_state_dict``, a 16-bit save or a weights load
+between steps is its own phase, ``CommStats.in_phase``), and a failed one names the phase the
+rank was in as it waited (and where it issued the op, when that differs). Ops count as
+inside-node or across-node: a collective over a group whose ranks sit on more than one node
+(``Topology.node_of``) counts all its bytes as across-node.
 
 The package: ``stats.py`` (counting, the error), ``handle.py`` (ops in flight),
 ``communicator.py`` (:class:`Communicator`), ``bare.py`` (blocking collectives over a bare
@@ -45,6 +48,7 @@ from meshzero.comm.handle import Handle, WorkList
 from meshzero.comm.stats import (
     CollectiveError,
     CommStats,
+    Counter,
     OnComm,
     OpStats,
     failure_named,
@@ -52,7 +56,7 @@ from meshzero.comm.stats import (
     where_in_training,
 )
 
-__all__ = ["CollectiveError", "CommStats", "Communicator", "Handle", "OnComm", "OpStats",
+__all__ = ["CollectiveError", "CommStats", "Communicator", "Counter", "Handle", "OnComm", "OpStats",
            "WorkList", "all_gather_into", "all_gather_objects", "all_reduce", "broadcast",
            "broadcast_module", "exchange", "failure_named", "gather_objects", "group_name",
            "reduce_scatter_into", "ring_bytes", "where_in_training"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshzero.comm.stats import OnComm, failure_named, ring_bytes, tensor_bytes
+from meshzero.comm.stats import OnComm, failure_named, ring_bytes, tensor_bytes, where_of
 
 # torch >= 2.10 renames the tensor collectives; keep working on 2.5.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,7 +36,7 @@ def _count(on_comm: OnComm | None, op: str, nbytes: int, group) -> None:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                on_comm: OnComm | None = None) -> None:
     """Sum ``tensor`` over ``group`` in place."""
-    with failure_named("all_reduce", group_name(group)):
+    with failure_named("all_reduce", group_name(group), where_of(on_comm)):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     _count(on_comm, "all_reduce", tensor_bytes(tensor), group)
 
@@ -44,7 +44,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
                     group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
     """``output`` (N*S,) <- every rank's ``shard`` (S,), in rank order."""
-    with failure_named("all_gather", group_name(group)):
+    with failure_named("all_gather", group_name(group), where_of(on_comm)):
         all_gather_single(output, shard, group=group)
     _count(on_comm, "all_gather", tensor_bytes(output), group)
 
@@ -52,7 +52,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
 def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor,
                         group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
     """``shard`` (S,) <- the sum over ranks of this rank's S-slice of ``full`` (N*S,)."""
-    with failure_named("reduce_scatter", group_name(group)):
+    with failure_named("reduce_scatter", group_name(group), where_of(on_comm)):
         reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group)
     _count(on_comm, "reduce_scatter", tensor_bytes(full), group)
 
@@ -60,7 +60,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor,
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
               on_comm: OnComm | None = None) -> None:
     """``tensor`` <- global rank ``src``'s ``tensor``."""
-    with failure_named("broadcast", group_name(group)):
+    with failure_named("broadcast", group_name(group), where_of(on_comm)):
         dist.broadcast(tensor, src=src, group=group)
     _count(on_comm, "broadcast", tensor_bytes(tensor), group)
 
@@ -80,7 +80,7 @@ def exchange(pairs: list[tuple[int, torch.Tensor, torch.Tensor]],
              group: dist.ProcessGroup | None, on_comm: OnComm | None = None) -> None:
     """Point-to-point: for each ``(global peer, send, recv)`` send ``send`` to the peer and
     receive its tensor into ``recv``, all at once."""
-    with failure_named("send_recv", group_name(group)):
+    with failure_named("send_recv", group_name(group), where_of(on_comm)):
         for work in start_exchange(pairs, group):
             work.wait()
     if on_comm is not None and pairs:

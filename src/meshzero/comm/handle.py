@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from meshzero.comm.stats import OpStats, failure_named
+from meshzero.comm.stats import OpStats, failure_named, waited_where
 
 
 class Handle:
@@ -23,10 +23,18 @@ class Handle:
     def __init__(self, work: dist.Work | None, stats: OpStats, issued: float,
                  pending: dict[int, Handle] | None, *buffers,
                  describe: tuple[str, str, str] | None = None,
-                 then: Callable[[], object] | None = None):
-        """``describe``: (op, group, where) for the error if the wait fails. ``then``: run
-        on the waiting thread once the op has completed (part of the op: its exposed time)."""
+                 then: Callable[[], object] | None = None,
+                 where_now: Callable[[], str] | None = None,
+                 before_wait: Callable[[], None] | None = None):
+        """``describe``: (op, group, where it was issued) for the error if the wait fails;
+        ``where_now``: where training is as the rank waits, named first in that error (a
+        reduction issued in backward and waited on in a checkpoint save fails in the save).
+        ``then``: run on the waiting thread once the op has completed (part of the op: its
+        exposed time). ``before_wait``: called before blocking on the op (the check posted
+        ahead, CommStats.before_wait)."""
         self._work = work
+        self._before_wait = before_wait
+        self._where_now = where_now
         self._then = then
         self._describe = describe
         self._stats = stats
@@ -42,6 +50,10 @@ class Handle:
     def wait(self) -> None:
         if self._buffers is None:
             return
+        if self._work is not None and self._before_wait is not None:
+            self._before_wait()  # may wait on this very op (the check posted ahead)
+            if self._buffers is None:
+                return
         if self._work is not None:
             t0 = time.perf_counter()
             done_before = self._work.is_completed()
@@ -73,7 +85,9 @@ class Handle:
             self._work.wait()
         except RuntimeError:
             self._forget()  # a failed op is done; then say which one it was
-            with failure_named(*self._describe):
+            op, group, issued = self._describe
+            now = issued if self._where_now is None else self._where_now()
+            with failure_named(op, group, waited_where(now, issued)):
                 raise
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from meshzero.comm.handle import Handle
 
 OnComm = Callable[[str, int], None]  # (op, bytes this rank sent): a counter of a CommStats
+Where = str | Callable[[], str]  # where training is, for an error: fixed, or asked at failure
 
 
 class CollectiveError(RuntimeError):
@@ -26,16 +27,26 @@ def where_in_training(step: int | None, phase: str) -> str:
     return "during initialize" if step is None else f"at step {step} ({phase})"
 
 
+def waited_where(now: str, issued: str) -> str:
+    """Where a rank waited on an op, and where it issued it when that differs: ``at step 2
+    (checkpoint save; issued at step 2 (backward))``."""
+    if now == issued or not issued:
+        return now
+    return f"{now[:-1]}; issued {issued})" if now.endswith(")") else f"{now} (issued {issued})"
+
+
 @contextmanager
-def failure_named(op: str, group: str, where: str = "") -> Iterator[None]:
+def failure_named(op: str, group: str, where: Where = "") -> Iterator[None]:
     """Turn a collective's RuntimeError into one :class:`CollectiveError` line that names
-    ``op``, ``group`` and ``where`` training was."""
+    ``op``, ``group`` and ``where`` training was (a callable: asked when it fails, so the
+    error names the phase the rank was in as it waited)."""
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as exc:
         reason = (str(exc).strip().splitlines() or ["no message"])[0]
+        where = where() if callable(where) else where
         raise CollectiveError(
             f"collective {op} over group {group} failed{f' {where}' if where else ''}: "
             f"{reason}. A rank stalled past the timeout (faults.comm_timeout), died, or "
@@ -53,6 +64,28 @@ def ring_bytes(op: str, nbytes: int, n: int) -> int:
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class Counter:
+    """``on_comm(op, nbytes)`` of a :class:`CommStats` for collectives issued outside a
+    Communicator (the tensor-parallel layers, the pipeline): counts each call, and says
+    where training is for the error of one that fails (:meth:`where`)."""
+
+    def __init__(self, stats: CommStats, group: str, inter_node: bool):
+        self.stats, self.group, self.inter_node = stats, group, inter_node
+
+    def __call__(self, op: str, nbytes: int) -> None:
+        stats = self.stats.get(self.group, op, self.inter_node)
+        stats.count += 1
+        stats.bytes += nbytes
+
+    def where(self) -> str:
+        return self.stats.where()
+
+
+def where_of(on_comm: OnComm | None) -> Where:
+    """Where training is, for a collective counted by ``on_comm`` (asked at failure)."""
+    return on_comm.where if isinstance(on_comm, Counter) else ""
 
 
 @dataclass
@@ -98,6 +131,16 @@ class CommStats:
     # what holds the engine's process groups (every Communicator counting here, the mesh,
     # the pipeline): objects with a drop_groups() method
     group_holders: list[Any] = field(default_factory=list, repr=False)
+    # a check posted ahead and not waited on (faults/phase.py): run before any op's wait
+    gate: Callable[[], None] | None = field(default=None, repr=False)
+
+    def before_wait(self) -> None:
+        """Before a rank blocks on a collective: settle the check posted ahead (``gate``),
+        which raises if the ranks are in different engine calls, so a rank never waits for
+        a peer that will not come."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate()
 
     def drop_groups(self) -> None:
         """At the end of an engine: nothing of it holds a process group any more, so a group
@@ -118,6 +161,20 @@ class CommStats:
                 left += 1
         return left
 
+    def where(self) -> str:
+        """Where training is now, for the error of a collective: ``at step 3 (backward)``."""
+        return where_in_training(self.step, self.phase)
+
+    @contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """Count and name the collectives inside as ``phase`` (a checkpoint save between two
+        steps is not the last step's phase), then go back to the phase before."""
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
+
     def get(self, group: str, op: str, inter_node: bool = False) -> OpStats:
         stats = self.ops.setdefault((group, op, self.phase), OpStats())
         stats.inter_node = inter_node
@@ -126,15 +183,10 @@ class CommStats:
     def reset(self) -> None:
         self.ops.clear()
 
-    def counter(self, group: str, inter_node: bool = False) -> OnComm:
+    def counter(self, group: str, inter_node: bool = False) -> Counter:
         """``on_comm(op, nbytes)`` for collectives issued outside a Communicator (the tensor
         parallel layers, the pipeline schedule): one count and its bytes per call."""
-        def count(op: str, nbytes: int) -> None:
-            stats = self.get(group, op, inter_node)
-            stats.count += 1
-            stats.bytes += nbytes
-
-        return count
+        return Counter(self, group, inter_node)
 
     def by_op(self) -> dict[str, dict]:
         """``{op: {count, bytes, seconds, exposed_seconds, intra_node_bytes,

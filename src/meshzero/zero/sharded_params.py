@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from meshzero.comm import Communicator, Handle, all_gather_objects
+from meshzero.faults.phase import PhaseCheck
 from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
 from meshzero.zero.gather_plan import plan_reuse
 from meshzero.zero.param_access import (
@@ -64,7 +65,9 @@ def order_check_communicator(comm: Communicator,
     for ranks in all_gather_objects(mine, dist.group.WORLD):
         if tuple(ranks) not in groups:
             groups[tuple(ranks)] = dist.new_group(list(ranks), timeout=timeout)
-    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node)
+    # a few bytes per rank: gloo's own all-gather (the point-to-point one is for data)
+    return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node,
+                        point_to_point=False)
 
 
 class GatheredMemory:
@@ -99,14 +102,15 @@ class ParameterSharder:
         shard_source=None,
         secondary_comm: Communicator | None = None,
         unit_names: list[str] | None = None,
-        group_timeout: timedelta | None = None,
+        phases: PhaseCheck | None = None,
     ):
         """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
         returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
         reading it (None: the shard is ``group.shard``, on the device or in host memory).
         ``secondary_comm`` (ZeRO++ hpZ): after forward each rank keeps 1/k of the unit, k the
         size of this group, and backward all-gathers over it (inside a node) instead of over
-        every data-parallel rank. ``unit_names``: module paths, for error messages."""
+        every data-parallel rank. ``unit_names``: module paths, for error messages.
+        ``phases``: the phase check the unit-order check rides on (None: no check)."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
@@ -124,11 +128,10 @@ class ParameterSharder:
         self.bwd_order: list[int] = []
         self.release_pos: dict[int, int] = {}  # unit -> fwd_pos at its last post-forward
         self.kept: frozenset[int] = frozenset()  # kept gathered into backward (the plan)
-        self.check_comm = order_check_communicator(comm, group_timeout)
+        self.phases = phases or PhaseCheck(None, comm.stats, self.device)
         self.recording = True
         self.in_backward = False
-        self.fwd_pos = 0
-        self.bwd_pos = 0
+        self.fwd_pos = self.bwd_pos = 0
         self.unit_names = unit_names or [str(u) for u in range(len(self.units))]
         self.depth = [0] * len(self.units)  # calls of each unit in progress (recursion)
         self.sticky: set[int] = set()  # gathered until the end of backward or the step
@@ -181,19 +184,15 @@ class ParameterSharder:
         """Every rank must be gathering the same units now, in the same order. Checked before
         the data moves: gloo aborts the process on an all-gather whose sizes differ between
         ranks, and equal sizes would silently mix two units' weights. One exchange per call
-        (a hook's gather and its prefetches together): [count, units..., -1 padding], the
-        same size on every rank. (hpZ's secondary gathers are checked over every
-        data-parallel rank too: all of them gather the same units at once.)"""
-        comm = self.check_comm
-        if comm is None:
+        (a hook's gather and its prefetches together), the payload of the phase check
+        (faults/phase.py: a rank in another engine call fails there): [count, units...,
+        -1 padding], the same size on every rank. (hpZ's secondary gathers are checked over
+        every data-parallel rank too: all of them gather the same units at once.)"""
+        rows = self.phases.post([len(units), *units], op="order_check")
+        if rows is None:
             return
-        n = len(self.units) + 1
-        mine = torch.full((n,), -1, dtype=torch.int64)
-        mine[0] = len(units)
-        mine[1:1 + len(units)] = torch.tensor(units, dtype=torch.int64)
-        every = torch.empty(comm.size * n, dtype=torch.int64, device=self.device)
-        comm.all_gather(every, mine.to(self.device), op="order_check").wait()
-        rows = every.view(comm.size, n).tolist()
+        comm = self.phases.comm
+        assert comm is not None  # rows come back only from a group
         other = next((r for r, row in enumerate(rows) if row != rows[comm.rank]), None)
         if other is None:
             return
@@ -430,12 +429,6 @@ class ParameterSharder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self.check_comm is not None and self.check_comm.group is not None:
-            # the user's destroy_process_group() (no argument) before the engine's end has
-            # destroyed this group with every other: nothing left to destroy
-            if dist.is_initialized():
-                dist.destroy_process_group(self.check_comm.group)
-            self.check_comm = None
         for gs in self.units:
             for g in gs:
                 for p in g.params:

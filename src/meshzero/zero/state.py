@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshzero.comm import Communicator
+from meshzero.faults.phase import PhaseCheck
 from meshzero.zero.flat_buffer import FlatGroup
 from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-exported)
     CATEGORIES,
@@ -29,7 +30,11 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
 from meshzero.zero.offload.transfer import StepTransfers
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
-from meshzero.zero.sharded_params import GatheredMemory, ParameterSharder
+from meshzero.zero.sharded_params import (
+    GatheredMemory,
+    ParameterSharder,
+    order_check_communicator,
+)
 from meshzero.zero.units import Layout, build_layout
 
 
@@ -87,6 +92,12 @@ class ZeroModelState:
             self.groups, comm, stage=stage, allgather_bucket_numel=options.allgather_bucket_numel,
             tier=self.tier)
         self.tier.attach(self.units, self.optim_state)
+        # every collective entry point posts its phase here first (faults/phase.py); at
+        # stage 3 the unit-order check rides on it: [count, units..., -1 padding]
+        self.phases = PhaseCheck(
+            order_check_communicator(comm, options.group_timeout), comm.stats, device,
+            payload=len(self.layout.units) + 1 if stage == 3 else 0,
+            unit_names=[u.path or "<root>" for u in self.layout.units])
         self.sharder: ParameterSharder | None = None
         if stage == 3:
             self.sharder = ParameterSharder(
@@ -94,7 +105,7 @@ class ZeroModelState:
                 self.memory, prefetch_numel=options.prefetch_numel,
                 max_live_numel=options.max_live_numel,
                 max_reuse_distance=options.max_reuse_distance,
-                group_timeout=options.group_timeout,
+                phases=self.phases,
                 shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
                 unit_names=[u.path or "<root>" for u in self.layout.units],
             )
@@ -148,6 +159,13 @@ class ZeroModelState:
         """(units stepped, units refused for inf/nan gradients) during the last backward."""
         return self.tier.unit_step_outcome()
 
+    def start_step(self) -> bool:
+        """The step at the accumulation boundary: the phase check (when it will run
+        collectives: after a backward), then :meth:`agree_io_failures`, before any other
+        collective of the step."""
+        self.phases.enter("step", post=self.has_reduced_gradients())
+        return self.agree_io_failures()
+
     def agree_io_failures(self) -> bool:
         """Collective, before any other of the step: whether a rank's offload I/O lost
         gradient data (NVMe); then the gradients and units still gathered (they may hold
@@ -184,6 +202,7 @@ class ZeroModelState:
 
     def reduce_held_gradients(self) -> None:
         """Reduce what accumulated in ``param.grad`` under :meth:`gradients_held`."""
+        self.phases.post()  # every rank reduces now (faults/phase.py)
         self.reducer.reduce_param_grads()
 
     def close(self) -> None:
@@ -191,6 +210,7 @@ class ZeroModelState:
         no training afterwards."""
         self.closed = True
         self.tier.close()
+        self.phases.close()
         # the parameters' hooks hold the reducer and sharder (and through them the process
         # groups) in a cycle the garbage collector cannot see through; removed, the state is
         # freed with the engine
@@ -262,6 +282,8 @@ class ZeroModelState:
         tier may step each unit as soon as its gradient is reduced, times ``step_scale``."""
         self._check_open()
         self.check_requires_grad()
+        # a backward that reduces gradients is a collective: every rank must be in one
+        self.phases.enter("backward", post=boundary or self.options.stage >= 2)
         self.tier.start_backward(boundary, step_scale)
         self.reducer.spread_nonfinite = (step_scale is not None
                                          and self.tier.steps_units_in_backward)

@@ -17,10 +17,20 @@ the process still dies by it (exit status -15). A previous Python handler (SIGIN
 KeyboardInterrupt, a user's preemption handler that saves a checkpoint) is called instead
 and decides; if it ends the process the files go with the normal exit. An ignored signal
 stays ignored.
+
+Removal comes first, and does not wait for the main thread: Python runs a signal handler
+only when the main thread next runs bytecode, not while it is blocked in C++ (a collective's
+wait, up to ``faults.comm_timeout``), and torchrun sends SIGKILL 30 s after its SIGTERM. So
+the C-level handler also writes the signal number to a pipe (``signal.set_wakeup_fd``), and
+a thread blocked on it removes the directories at once; the handler then ends the process
+when the main thread gets to it (or SIGKILL does). A forked child drops the pipe (its
+signals are not ours); where a wakeup fd is already set (an asyncio loop), only the handler
+removes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -166,6 +176,7 @@ class SignalCleanup:
         self.previous: dict[int, Any] = {}
         self.pid = os.getpid()
         self._next = 0
+        self._pipe: tuple[int, int] | None = None  # (read, write) of the wakeup fd
 
     def add(self, paths: list[str]) -> int:
         """Remove ``paths`` on SIGTERM / SIGINT; returns a token for :meth:`discard`."""
@@ -195,6 +206,43 @@ class SignalCleanup:
         for sig in SIGNALS:
             self.previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
+        self._watch_wakeups()
+
+    def _watch_wakeups(self) -> None:
+        """Removal while the main thread is blocked in C++ (module docstring)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)  # someone else's (asyncio): leave it, and them, alone
+            logger.debug("NVMe files are removed on signals by the handler only: a wakeup "
+                         "fd was set already")
+            os.close(read)
+            os.close(write)
+            return
+        self._pipe = (read, write)
+        threading.Thread(target=self._watch, args=(read,), daemon=True,
+                         name="meshzero-nvme-signals").start()
+
+    def _watch(self, read: int) -> None:
+        while True:
+            data = os.read(read, 64)
+            if not data or 0 in data:  # 0: _uninstall stops the thread
+                os.close(read)
+                return
+            if any(self._removes_on(signum) for signum in data):
+                self.remove_all()
+
+    def _removes_on(self, signum: int) -> bool:
+        """Whether our handling of ``signum`` removes the files: ours is its handler now (not
+        one installed after us) and the one before was the default, in the process that
+        made them."""
+        prev = self.previous.get(signum, signal.SIG_DFL)
+        return signum in SIGNALS and prev is not signal.SIG_IGN and not callable(prev) \
+            and os.getpid() == self.pid and signal.getsignal(signum) == self._handle
+
+    def remove_all(self) -> None:
+        for paths in list(self.paths.values()):
+            remove_dirs(paths)
 
     def _uninstall(self) -> None:
         if not self.previous or not self._main_thread():
@@ -203,19 +251,35 @@ class SignalCleanup:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self.previous = {}
+        if self._pipe is not None:
+            read, write = self._pipe
+            self._pipe = None
+            signal.set_wakeup_fd(-1)
+            os.write(write, b"\0")  # the watching thread closes ``read`` and ends
+            os.close(write)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker): its signals must not reach our watcher
+        through the inherited pipe (it would remove the parent's files)."""
+        if self._pipe is not None:
+            with contextlib.suppress(ValueError):  # forked from another thread: not main
+                signal.set_wakeup_fd(-1)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._removes_on(signum):  # first: torchrun's SIGKILL may follow soon
+            self.remove_all()
         prev = self.previous.get(signum, signal.SIG_DFL)
         if prev is signal.SIG_IGN:
             return
         if callable(prev):  # a Python handler decides; files go at a normal exit
             prev(signum, frame)
             return
-        if os.getpid() == self.pid:  # not in a forked child (a DataLoader worker)
-            for paths in list(self.paths.values()):
-                remove_dirs(paths)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # die by the signal, as without us
 
 
 CLEANUP = SignalCleanup()
+os.register_at_fork(after_in_child=CLEANUP.after_fork_in_child)

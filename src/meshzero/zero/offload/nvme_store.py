@@ -470,5 +470,5 @@ class NvmeStore:
 
 
 def _remove(paths: list[str], token: int) -> None:
+    remove_dirs(paths)  # first: discarding the last token restores SIGTERM's default
     CLEANUP.discard(token)
-    remove_dirs(paths)

@@ -1,0 +1,186 @@
+"""The phase check: every rank makes the same collective engine calls in the same order.
+
+Before each collective entry point of the engine (a stage-3 gather, a backward that reduces
+gradients, the step's checks, a checkpoint save or load, ``full_state_dict``, the 16-bit
+save, a weights load) every rank posts where it is on a small control group of its own, one
+row per rank::
+
+    [phase code, step, payload...]      int64, the same width on every rank
+
+(the payload: stage 3's unit-order check, ``zero/sharded_params.py``: [count, units..., -1
+padding]). A call made on some ranks only, ``if rank == 0: engine.save_checkpoint(...)``,
+then fails at once on every rank of the group, naming both sides ("save_checkpoint was
+called on rank 0 while rank 1 is in forward (step 3, gathering unit 2 ('blocks.2')); call it
+on every rank"), instead of waiting for the collective timeout with no line on either rank.
+
+The group is the ZeRO shard group's ranks (the ranks that run the same collectives in
+lockstep; with tensor or pipeline parallelism, the data-parallel ranks of one piece). It is
+a process group of its own: on the data group the check would queue behind the gathers and
+reductions in flight (gloo runs a group's ops in order) and wait for them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from meshzero.comm import CommStats, Communicator, Handle
+
+TRAINING = ("forward", "backward", "step")
+# an engine call between steps -> the phase its collectives are counted and named in
+CALLS = {"save_checkpoint": "checkpoint save", "load_checkpoint": "checkpoint load",
+         "full_state_dict": "full_state_dict", "save_16bit_model": "16-bit model save",
+         "load_weights": "weights load"}
+PHASES = TRAINING + tuple(CALLS.values())  # a phase's code is its index; unknown: len()
+_CALL_OF = {phase: call for call, phase in CALLS.items()}
+
+
+class PhaseError(RuntimeError):
+    """The ranks of a group were in different engine calls at the same collective."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+class PhaseCheck:
+    """Posts this rank's phase on the control group ``comm`` (None: one rank, nothing to
+    check) before a collective and raises :class:`PhaseError` where the ranks differ.
+    ``payload``: the width of the payload every post carries (padded with -1);
+    ``unit_names``: stage 3's units, to name a gather in the error."""
+
+    def __init__(self, comm: Communicator | None, stats: CommStats, device: torch.device,
+                 payload: int = 0, unit_names: Sequence[str] = ()):
+        self.comm = comm
+        self.stats = stats
+        self.device = device
+        self.width = 2 + payload
+        self.unit_names = list(unit_names)
+        self.ranks = [0] if comm is None or comm.group is None \
+            else dist.get_process_group_ranks(comm.group)
+        self.posts = 0  # rows exchanged (the cost: one small all-gather each)
+        self._ahead: tuple[Handle, torch.Tensor] | None = None  # posted, not yet waited on
+
+    def enter(self, phase: str, post: bool = True) -> None:
+        """A training phase starts (``backward``, ``step``): collectives are named in it from
+        now on; ``post``: collectives follow, so post the phase ahead of them (settled before
+        the first wait on any of them: its latency hides behind the backward's compute and
+        the step's first collective)."""
+        self.stats.phase = phase
+        if post and self.comm is not None:
+            self.settle()
+            every = self._every()
+            self._ahead = (self.comm.all_gather(every, self._row(()), op="phase_check"), every)
+            self.stats.gate = self.settle
+
+    def settle(self) -> None:
+        """Wait for the phase posted ahead, if any; PhaseError where the ranks differ."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        if self.stats.gate == self.settle:
+            self.stats.gate = None
+        handle, every = ahead
+        handle.wait()
+        self._check(every)
+
+    @contextmanager
+    def entry(self, call: str) -> Iterator[None]:
+        """Around an engine call between steps (``save_checkpoint``, ...): its collectives
+        are counted and named in its own phase, after one check that every rank made it."""
+        with self.stats.in_phase(CALLS[call]):
+            self.post()
+            yield
+
+    def post(self, payload: Sequence[int] = (), op: str = "phase_check"
+             ) -> list[list[int]] | None:
+        """Exchange [the current phase, step, ``payload``] with every rank of the group
+        (counted as ``op``); PhaseError on every rank unless all are in the same phase.
+        Returns every rank's payload row (None without a group)."""
+        comm = self.comm
+        if comm is None:
+            return None
+        self.settle()  # a phase posted ahead comes first on the group
+        every = self._every()
+        comm.all_gather(every, self._row(payload), op=op).wait()
+        return self._check(every)
+
+    def _row(self, payload: Sequence[int]) -> torch.Tensor:
+        """[phase code, step, payload..., -1 padding] (width,) int64 on the device."""
+        assert len(payload) <= self.width - 2, "a payload wider than the check was built for"
+        self.posts += 1
+        phase = self.stats.phase
+        mine = torch.full((self.width,), -1, dtype=torch.int64)
+        mine[0] = PHASES.index(phase) if phase in PHASES else len(PHASES)
+        mine[1] = -1 if self.stats.step is None else self.stats.step
+        mine[2:2 + len(payload)] = torch.tensor(list(payload), dtype=torch.int64)
+        return mine.to(self.device)
+
+    def _every(self) -> torch.Tensor:
+        assert self.comm is not None  # called only with a group
+        return torch.empty(self.comm.size * self.width, dtype=torch.int64, device=self.device)
+
+    def _check(self, every: torch.Tensor) -> list[list[int]]:
+        """Every rank's payload row, after PhaseError if the ranks' phases differ."""
+        rows = every.view(-1, self.width).tolist()
+        if any(row[0] != rows[0][0] for row in rows):
+            raise PhaseError(self._mismatch(rows))
+        return [row[2:] for row in rows]
+
+    def close(self) -> None:
+        """Destroy the control group (the engine's end); a phase posted ahead is dropped
+        (the engine's end waits for or releases the ops in flight first)."""
+        self._ahead = None
+        if self.stats.gate == self.settle:
+            self.stats.gate = None
+        if self.comm is not None and self.comm.group is not None:
+            # the user's destroy_process_group() (no argument) before the engine's end has
+            # destroyed this group with every other: nothing left to destroy
+            if dist.is_initialized():
+                dist.destroy_process_group(self.comm.group)
+            self.comm = None
+
+    def _mismatch(self, rows: list[list[int]]) -> str:
+        """The same sentence on every rank: the side of the group's first rank and the first
+        that differs; an engine call made on some ranks only is named as the call."""
+        sides: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            sides.setdefault(row[0], []).append(r)
+        (a, ra), (b, rb) = list(sides.items())[:2]
+        if self._is_call(b) and not self._is_call(a):
+            (a, ra), (b, rb) = (b, rb), (a, ra)
+        first, other = _ranks([self.ranks[r] for r in ra]), _ranks([self.ranks[r] for r in rb])
+        verb = "is" if len(rb) == 1 else "are"
+        if self._is_call(a) and self._is_call(b):
+            return (f"{self._call(a)} was called on {first} while {other} called "
+                    f"{self._describe(rows[rb[0]])}; every rank must make the same engine "
+                    "calls in the same order")
+        if self._is_call(a):
+            return (f"{self._call(a)} was called on {first} while {other} {verb} in "
+                    f"{self._describe(rows[rb[0]])}; call it on every rank")
+        return (f"{first} {'is' if len(ra) == 1 else 'are'} in {self._describe(rows[ra[0]])} "
+                f"while {other} {verb} in {self._describe(rows[rb[0]])}; every rank must run "
+                "forward, backward and step() together (an engine call made on some ranks "
+                "only, or rank-dependent control flow)")
+
+    @staticmethod
+    def _is_call(code: int) -> bool:
+        return code < len(PHASES) and PHASES[code] in _CALL_OF
+
+    @staticmethod
+    def _call(code: int) -> str:
+        if code >= len(PHASES):
+            return "another engine call"
+        phase = PHASES[code]
+        return _CALL_OF.get(phase, "step()" if phase == "step" else phase)
+
+    def _describe(self, row: list[int]) -> str:
+        """``forward (step 3, gathering unit 2 ('blocks.2'))``."""
+        where = [f"step {row[1]}"] if row[1] >= 0 else ["initialize"]
+        count = row[2] if len(row) > 2 else 0
+        if count > 0 and 0 <= row[3] < len(self.unit_names):
+            where.append(f"gathering unit {row[3]} ({self.unit_names[row[3]]!r})")
+        return f"{self._call(row[0])} ({', '.join(where)})"
