@@ -1,0 +1,216 @@
+"""Ulysses sequence parallelism (issue 28): the all-to-all attention equals attention over
+the unsharded sequence (values and gradients, GQA included), the token-weighted loss equals
+the full-sequence loss, and training at sp = 2, 4 x dp = 1, 2 at ZeRO stages 0-3 equals one
+plain-torch process on the full sequences (our GPT and a tiny Hugging Face Llama with GQA).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import meshzero
+from meshzero.config import ConfigError, load_config
+from meshzero.config.batch import data_parallel_size
+from meshzero.demo.gpt import GPT, GPTConfig
+from meshzero.demo.gpt import loss_fn as gpt_loss
+from meshzero.parallel.sequence import SequenceParallel
+from tests.engine_runs import ADAM_EPS, zero_config
+
+GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+STEPS, MICRO, SEQ, LR = 2, 2, 16, 1e-2
+B, T, D = 2, 8, 4  # the attention unit tests
+# (heads, kv heads): plain, kv split like q, kv replicated to sp (fewer kv heads than sp)
+HEADS = [(4, 4), (4, 2), (8, 1)]
+
+
+# --- the attention all-to-all and the loss, against the unsharded computation ---------------
+
+
+def _qkv(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q = torch.randn(B, heads, T, D, generator=gen)
+    k, v = (torch.randn(B, kv_heads, T, D, generator=gen) for _ in range(2))
+    weight = torch.randn(B, heads, T, D, generator=gen)  # a loss that weighs every output
+    return q, k, v, weight
+
+
+def _attention_rank(rank: int, world_size: int) -> dict:
+    sent: dict[str, int] = {}
+
+    def count(op: str, nbytes: int) -> None:
+        sent[op] = sent.get(op, 0) + nbytes
+
+    sp = SequenceParallel(dist.group.WORLD, world_size, rank, on_comm=count)
+    out = {}
+    for heads, kv_heads in HEADS:
+        q, k, v, weight = (sp.shard(t, dim=2).clone() for t in _qkv(heads, kv_heads))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        sent.clear()
+        y = sp.sdpa(q, k, v, is_causal=True)
+        (y * weight).sum().backward()
+        out[(heads, kv_heads)] = (y.detach(), q.grad, k.grad, v.grad, dict(sent))
+    # the token-weighted loss: ranks with different numbers of counted tokens
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, 5, generator=gen)
+    target = torch.randint(0, 5, (B, T), generator=gen)
+    target[:, T // 2 + 1:] = -100  # padding at the end: later ranks count fewer tokens
+    local = sp.shard(logits).clone().requires_grad_(True)
+    sp.full_length = T
+    loss = sp.loss(lambda o, t: F.cross_entropy(o.reshape(-1, 5), t.reshape(-1)), local, target)
+    loss.backward()
+    out["loss"] = (loss.detach(), local.grad)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_attention_and_loss_equal_unsharded(run_ranks, world_size):
+    results = run_ranks(_attention_rank, world_size)
+    c = T // world_size
+    for heads, kv_heads in HEADS:
+        q, k, v, weight = (t.clone().requires_grad_(True) for t in _qkv(heads, kv_heads))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=heads != kv_heads)
+        (y * weight).sum().backward()
+        for rank, res in enumerate(results):
+            got_y, gq, gk, gv, sent = res[(heads, kv_heads)]
+            part = slice(rank * c, (rank + 1) * c)
+            for got, want in ((got_y, y), (gq, q.grad), (gk, k.grad), (gv, v.grad)):
+                torch.testing.assert_close(got, want[:, :, part], rtol=1e-5, atol=1e-6)
+            # forward: q, k, v seq->heads and the output back; backward the same again;
+            # each sends (sp-1)/sp of its tensor (kv replicated up to sp heads first)
+            kv_sent = max(kv_heads, world_size)
+            elems = 2 * (2 * B * heads * c * D + 2 * B * kv_sent * c * D)
+            assert sent == {"all_to_all": elems * 4 * (world_size - 1) // world_size}
+    logits = torch.randn(B, T, 5, generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, 5, generator=gen).requires_grad_(True)
+    target = torch.randint(0, 5, (B, T), generator=gen)
+    target[:, T // 2 + 1:] = -100
+    want = F.cross_entropy(logits.reshape(-1, 5), target.reshape(-1))
+    want.backward()
+    for rank, res in enumerate(results):
+        loss, grad = res["loss"]
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-7)
+        # each rank backwards the same loss: its chunk's gradient is sp times the true one,
+        # which ZeRO's average over dp x sp divides back
+        part = slice(rank * c, (rank + 1) * c)
+        torch.testing.assert_close(grad, world_size * logits.grad[:, part], rtol=1e-5,
+                                   atol=1e-7)
+
+
+def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
+    sp = SequenceParallel(dist.group.WORLD, world_size, rank)
+    errors = []
+    for q_heads, kv_heads, length in ((3, 3, 4), (4, 3, 4), (4, 4, 5)):
+        q = torch.randn(1, q_heads, length, 2)
+        k = torch.randn(1, kv_heads, length, 2)
+        try:
+            sp.sdpa(sp.shard(q, 2), sp.shard(k, 2), sp.shard(k, 2), where="blocks.0.attn")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_shapes_are_clear_errors(run_ranks):
+    errors = run_ranks(_bad_shapes_rank, 2)[0]
+    assert len(errors) == 3
+    assert "blocks.0.attn: 3 attention heads are not divisible by sequence_parallel_size 2" \
+        in errors[0]
+    assert "3 key/value heads can be neither split over nor replicated" in errors[1]
+    assert "sequence length 5 is not divisible by sequence_parallel_size 2" in errors[2]
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 with tensor_parallel"):
+        load_config({"sequence_parallel_size": 2,
+                     "tensor_parallel": {"size": 2, "plan": "gpt"}})
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 2 with pipeline"):
+        load_config({"sequence_parallel_size": 2, "pipeline_parallel": {"size": 2}})
+    with pytest.raises(ConfigError, match="seq_parallel_communication_data_type"):
+        load_config({"seq_parallel_communication_data_type": "int8"})
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size \(4\) = 4 does not divide "
+                       r"the world size 6.*sp x tp x pp x dp = 6"):
+        data_parallel_size(6, 1, 1, 4)
+    cfg = load_config({"sequence_parallel_size": 2, "train_batch_size": 4,
+                       "seq_parallel_communication_data_type": "bf16"})
+    assert cfg.dp_size(8) == 4 and cfg.resolve_batch(cfg.dp_size(8)) == (4, 1, 1)
+    assert cfg.sequence_comm_dtype == torch.bfloat16
+
+
+# --- training equals one plain-torch process on the full sequences --------------------------
+
+
+def _gpt_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    idx = [torch.randint(0, GPT_CFG.vocab_size, (MICRO * dp, SEQ + 1), generator=gen)
+           for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in idx]
+
+
+def _gpt_reference(dp: int) -> tuple[dict, list[float]]:
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=ADAM_EPS)
+    losses = []
+    for x, y in _gpt_batches(dp):
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _gpt_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
+              stages: tuple[int, ...]) -> list:
+    out = []
+    for sp in sp_sizes:
+        dp = world_size // sp
+        for stage in stages:
+            torch.manual_seed(0)
+            cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
+            engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
+            assert engine.sequence_parallel is not None
+            rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
+            losses = []
+            for x, y in _gpt_batches(dp):  # every sp rank passes the same full micro-batch
+                logits = engine(x[rows])
+                assert logits.shape[1] == SEQ // sp
+                loss = engine.sequence_parallel.loss(gpt_loss, logits, y[rows])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report()))
+            engine.close()
+    return out
+
+
+def _assert_matches(results: list, reference) -> None:
+    """Every rank's parameters equal the reference's; the ranks of an sp group return the
+    same loss (their replica's micro-batch), whose mean over dp is the reference's."""
+    for i, (sp, stage, _, _, _) in enumerate(results[0]):
+        want_state, want_losses = reference(sp)
+        where = f"sp={sp} stage={stage}"
+        losses = torch.tensor([rank_out[i][3] for rank_out in results])  # (world, steps)
+        by_replica = losses.view(-1, sp, losses.shape[1])  # ranks: dp outer, sp inner
+        torch.testing.assert_close(by_replica, by_replica[:, :1].expand_as(by_replica))
+        torch.testing.assert_close(by_replica[:, 0].mean(0), torch.tensor(want_losses),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+        for rank_out in results:
+            state = rank_out[i][2]
+            for name, want in want_state.items():
+                torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name, w=where: f"{w} {n}: {m}")
+
+
+@pytest.mark.parametrize(("world_size", "sp_sizes"), [(2, (2,)), (4, (2, 4))])
+def test_gpt_equals_single_process(run_ranks, world_size, sp_sizes):
+    results = run_ranks(_gpt_rank, world_size, sp_sizes, (0, 1, 2, 3), timeout=600)
+    refs = {sp: _gpt_reference(world_size // sp) for sp in sp_sizes}
+    _assert_matches(results, lambda sp: refs[sp])
