@@ -214,3 +214,65 @@ def test_gpt_equals_single_process(run_ranks, world_size, sp_sizes):
     results = run_ranks(_gpt_rank, world_size, sp_sizes, (0, 1, 2, 3), timeout=600)
     refs = {sp: _gpt_reference(world_size // sp) for sp in sp_sizes}
     _assert_matches(results, lambda sp: refs[sp])
+
+
+# --- a Hugging Face Llama (GQA), through transformers' attention-function registry --------
+
+
+def _llama(seed: int = 0):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(  # 4 query heads, 2 kv heads: split at sp 2, copied at 4
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def _llama_batches(dp: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (MICRO * dp, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def _llama_reference(dp: int) -> tuple[dict, list[float]]:
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=ADAM_EPS)
+    losses = []
+    for tokens in _llama_batches(dp):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _llama_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
+                stages: tuple[int, ...]) -> list:
+    out = []
+    for sp in sp_sizes:
+        dp = world_size // sp
+        for stage in stages:
+            cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
+            engine, *_ = meshzero.initialize(model=_llama(), config=copy.deepcopy(cfg))
+            assert engine.module.config._attn_implementation == "meshzero_ulysses"
+            rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
+            losses = []
+            for tokens in _llama_batches(dp):
+                res = engine(input_ids=tokens[rows], labels=tokens[rows])  # the full rows
+                assert res.logits.shape[1] == SEQ // sp
+                engine.backward(res.loss)
+                engine.step()
+                losses.append(res.loss.item())
+            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report()))
+            engine.close()
+    return out
+
+
+def test_hf_llama_equals_single_process(run_ranks):
+    pytest.importorskip("transformers")
+    results = run_ranks(_llama_rank, 4, (2, 4), (0, 1, 2, 3), timeout=600)
+    refs = {sp: _llama_reference(4 // sp) for sp in (2, 4)}
+    _assert_matches(results, lambda sp: refs[sp])

@@ -174,7 +174,7 @@ class SequenceParallel:
                              f"sequence_parallel_size {self.size}; pad the sequences to a "
                              f"multiple of {self.size} (labels -100 on the padding)")
         chunk = length // self.size
-        return t.narrow(dim, self.rank * chunk, chunk)
+        return t.narrow(dim, self.rank * chunk, chunk).contiguous()
 
     def run(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """``module(*args, **kwargs)`` on this rank's sequence chunk, attention routed through
