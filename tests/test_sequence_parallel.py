@@ -214,6 +214,13 @@ def test_gpt_equals_single_process(run_ranks, world_size, sp_sizes):
     results = run_ranks(_gpt_rank, world_size, sp_sizes, (0, 1, 2, 3), timeout=600)
     refs = {sp: _gpt_reference(world_size // sp) for sp in sp_sizes}
     _assert_matches(results, lambda sp: refs[sp])
+    for rank_out in results:  # comm_report counts the all-to-alls of the last step
+        for sp, stage, _, _, comm in rank_out:
+            # per layer: q, k, v and the output, (B, T/sp, C) each, forward and backward;
+            # a rank sends (sp-1)/sp of each
+            elems = 2 * GPT_CFG.n_layer * 4 * MICRO * (SEQ // sp) * GPT_CFG.n_embd
+            assert comm["all_to_all"]["bytes"] == elems * 4 * (sp - 1) // sp, (sp, stage)
+            assert comm["all_to_all"]["count"] == 2 * GPT_CFG.n_layer * 4
 
 
 # --- a Hugging Face Llama (GQA), through transformers' attention-function registry --------
@@ -276,3 +283,33 @@ def test_hf_llama_equals_single_process(run_ranks):
     results = run_ranks(_llama_rank, 4, (2, 4), (0, 1, 2, 3), timeout=600)
     refs = {sp: _llama_reference(4 // sp) for sp in (2, 4)}
     _assert_matches(results, lambda sp: refs[sp])
+
+
+def _bad_heads_rank(rank: int, world_size: int) -> list[str]:
+    errors = []
+    cfg = zero_config(0, global_batch=2, sequence_parallel_size=world_size)
+    for model in (GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12)),
+                  _llama_with(num_attention_heads=8, num_key_value_heads=3)):
+        try:
+            meshzero.initialize(model=model, config=copy.deepcopy(cfg))
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _llama_with(**overrides):
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=24, intermediate_size=32, num_hidden_layers=1, vocab_size=16,
+        **overrides))
+
+
+def test_heads_not_divisible_fail_at_initialize(run_ranks):
+    pytest.importorskip("transformers")
+    errors = run_ranks(_bad_heads_rank, 2)[0]
+    assert len(errors) == 2
+    assert "blocks.0.attn.n_head = 3 attention heads are not divisible by " \
+        "sequence_parallel_size 2" in errors[0]
+    assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
+        "split over nor replicated to sequence_parallel_size 2" in errors[1]

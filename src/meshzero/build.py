@@ -40,7 +40,7 @@ from meshzero.parallel.compose import (
 )
 from meshzero.parallel.pipeline import Pipeline
 from meshzero.parallel.plans import shipped_plan
-from meshzero.parallel.sequence import SequenceParallel
+from meshzero.parallel.sequence import SequenceParallel, check_heads
 from meshzero.parallel.sequence_hf import use_ulysses
 from meshzero.precision import LossScaler
 from meshzero.schedulers import build_scheduler
@@ -96,6 +96,8 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
                               sp_size=config.sequence_parallel_size)
     if topology.world_size > 1 and topology.rank == 0:
         logger.info("%s", topology.rank_map())
+    if topology.sp_size > 1 and isinstance(model, nn.Module):  # before any work (a factory's
+        check_heads(model, topology.sp_size)  # model: once it is built, in _sequence)
     batch = config.resolve_batch(topology.dp_size)  # the batch rule needs the dp size
     if config.seed is not None:  # before materialising: initialisation draws from it
         torch.manual_seed(config.seed)
@@ -159,6 +161,7 @@ def _sequence(model: nn.Module, config: Config, topology: Topology,
     """Ulysses over the sp group; a transformers model switched to its attention function."""
     if topology.sp_size == 1:
         return None
+    check_heads(model, topology.sp_size)  # again for a factory's model
     group = topology.sp_group
     sequence = SequenceParallel(
         group, topology.sp_size, topology.sp_rank, config.sequence_comm_dtype,

@@ -291,6 +291,35 @@ def route_attention_modules(model: nn.Module, sp: SequenceParallel,
     return hooks
 
 
+_HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_head", "num_kv_heads")
+
+
+def check_heads(model: nn.Module, size: int) -> None:
+    """At initialize: every head count the model declares (a transformers config's, or a
+    module's ``n_head`` / ``num_heads`` ...) splits over ``size`` sp ranks; kv heads may
+    instead divide ``size`` (then they are replicated). The forward checks the tensors."""
+    for name, sub in model.named_modules():
+        holders = [(name or type(model).__name__, sub)]
+        if name == "" and getattr(sub, "config", None) is not None:
+            holders.append((f"{type(model).__name__}.config", sub.config))
+        for where, holder in holders:
+            for attr in _HEAD_ATTRS:
+                heads = getattr(holder, attr, None)
+                if isinstance(heads, int) and not isinstance(heads, bool) and heads % size:
+                    raise ValueError(f"{where}.{attr} = {heads} attention heads are not "
+                                     f"divisible by sequence_parallel_size {size}; valid: "
+                                     f"a size dividing {heads}")
+            for attr in _KV_HEAD_ATTRS:
+                kv = getattr(holder, attr, None)
+                if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 and \
+                        kv % size and size % kv:
+                    raise ValueError(f"{where}.{attr} = {kv} key/value heads can be neither "
+                                     f"split over nor replicated to sequence_parallel_size "
+                                     f"{size}; valid: a size that divides {kv} or is a "
+                                     "multiple of it")
+
+
 def _first_sequence(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The first (B, T, ...) tensor: a positional one, else input_ids, else any keyword."""
     for value in (*args, kwargs.get("input_ids"), *kwargs.values()):
