@@ -313,3 +313,33 @@ def test_heads_not_divisible_fail_at_initialize(run_ranks):
         "sequence_parallel_size 2" in errors[0]
     assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
         "split over nor replicated to sequence_parallel_size 2" in errors[1]
+
+
+def _checkpoint_rank(rank: int, world_size: int, path: str) -> list[bool]:
+    """Save at sp = 2 (ZeRO-3 over dp x sp: one file per rank), load at sp = 1 (dp = 2) and
+    at sp = 2 again."""
+    x, y = _gpt_batches(1)[0]
+    cfg = zero_config(3, global_batch=MICRO, lr=LR, sequence_parallel_size=2)
+    engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
+    engine.backward(engine.sequence_parallel.loss(gpt_loss, engine(x), y))
+    engine.step()
+    engine.save_checkpoint(path, tag="t")
+    want = engine.full_state_dict()
+    engine.close()
+    same = []
+    for sp, stage in ((1, 2), (2, 3)):
+        cfg = zero_config(stage, global_batch=MICRO * world_size // sp, lr=LR,
+                          sequence_parallel_size=sp)
+        torch.manual_seed(1)  # other weights: the load must replace them
+        other, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
+        other.load_checkpoint(path, tag="t")
+        got = other.full_state_dict()
+        same.append(all(torch.equal(got[k], want[k]) for k in want))
+        other.close()
+    return same
+
+
+def test_checkpoint_saved_at_sp_loads_anywhere(run_ranks, tmp_path):
+    assert run_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt")) == [[True, True]] * 2
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "t").glob("rank*.safetensors")) == [
+        "rank00000.safetensors", "rank00001.safetensors"]

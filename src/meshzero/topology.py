@@ -165,6 +165,16 @@ class Topology:
         return self.groups["sp"]
 
     @property
+    def zero_size(self) -> int:
+        """dp x sp: how many ranks hold the same model slice."""
+        return self.sizes["dp"] * self.sizes["sp"]
+
+    @property
+    def zero_rank(self) -> int:
+        """This rank's place among them (the order of ``groups["zero"]``: sp fastest)."""
+        return self.coords["dp"] * self.sizes["sp"] + self.coords["sp"]
+
+    @property
     def zero_group(self) -> dist.ProcessGroup | None:
         """dp x sp: the ranks that hold the same model slice (ZeRO shards over them)."""
         return self.groups["zero"]
