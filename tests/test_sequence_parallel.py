@@ -18,6 +18,7 @@ from meshzero.config import ConfigError, load_config
 from meshzero.config.batch import data_parallel_size
 from meshzero.demo.gpt import GPT, GPTConfig
 from meshzero.demo.gpt import loss_fn as gpt_loss
+from meshzero.estimate import Estimator, load_model, settings_from_config
 from meshzero.parallel.sequence import SequenceParallel
 from tests.engine_runs import ADAM_EPS, zero_config
 
@@ -146,6 +147,10 @@ def test_config_errors():
 # --- training equals one plain-torch process on the full sequences --------------------------
 
 
+def _gpt_model() -> GPT:
+    return GPT(GPT_CFG)
+
+
 def _gpt_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(5)
     idx = [torch.randint(0, GPT_CFG.vocab_size, (MICRO * dp, SEQ + 1), generator=gen)
@@ -173,7 +178,7 @@ def _gpt_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
     for sp in sp_sizes:
         dp = world_size // sp
         for stage in stages:
-            torch.manual_seed(0)
+            torch.manual_seed(0)  # the reference's initial weights
             cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
             engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
             assert engine.sequence_parallel is not None
@@ -186,7 +191,8 @@ def _gpt_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report()))
+            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report(),
+                        engine.memory_report()))
             engine.close()
     return out
 
@@ -194,7 +200,7 @@ def _gpt_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
 def _assert_matches(results: list, reference) -> None:
     """Every rank's parameters equal the reference's; the ranks of an sp group return the
     same loss (their replica's micro-batch), whose mean over dp is the reference's."""
-    for i, (sp, stage, _, _, _) in enumerate(results[0]):
+    for i, (sp, stage, *_) in enumerate(results[0]):
         want_state, want_losses = reference(sp)
         where = f"sp={sp} stage={stage}"
         losses = torch.tensor([rank_out[i][3] for rank_out in results])  # (world, steps)
@@ -214,8 +220,15 @@ def test_gpt_equals_single_process(run_ranks, world_size, sp_sizes):
     results = run_ranks(_gpt_rank, world_size, sp_sizes, (0, 1, 2, 3), timeout=600)
     refs = {sp: _gpt_reference(world_size // sp) for sp in sp_sizes}
     _assert_matches(results, lambda sp: refs[sp])
-    for rank_out in results:  # comm_report counts the all-to-alls of the last step
-        for sp, stage, _, _, comm in rank_out:
+    estimator = Estimator(load_model(_gpt_model))
+    for rank, rank_out in enumerate(results):
+        for sp, stage, _, _, comm, memory in rank_out:
+            # the estimator's model states (ZeRO over dp x sp) are what the engine holds
+            cfg = zero_config(stage, global_batch=MICRO * world_size // sp, lr=LR,
+                              sequence_parallel_size=sp)
+            want = estimator.states(settings_from_config(cfg, world_size), world_size)
+            assert want.report(rank) == {k: memory[k] for k in want.report(rank)}
+            # comm_report counts the all-to-alls of the last step
             # per layer: q, k, v and the output, (B, T/sp, C) each, forward and backward;
             # a rank sends (sp-1)/sp of each
             elems = 2 * GPT_CFG.n_layer * 4 * MICRO * (SEQ // sp) * GPT_CFG.n_embd
@@ -273,7 +286,7 @@ def _llama_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
                 engine.backward(res.loss)
                 engine.step()
                 losses.append(res.loss.item())
-            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report()))
+            out.append((sp, stage, engine.full_state_dict(), losses, None, None))
             engine.close()
     return out
 
@@ -343,3 +356,20 @@ def test_checkpoint_saved_at_sp_loads_anywhere(run_ranks, tmp_path):
     assert run_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt")) == [[True, True]] * 2
     assert sorted(p.name for p in (tmp_path / "ckpt" / "t").glob("rank*.safetensors")) == [
         "rank00000.safetensors", "rank00001.safetensors"]
+
+
+def test_estimator_activations_fall_with_sp():
+    """One rank's activations: seq_len / sp tokens, attention over the whole sequence on
+    H / sp heads; at this size they fall about as 1 / sp."""
+    estimator = Estimator(load_model(_gpt_model))
+    got = {}
+    for sp in (1, 2, 4):
+        settings = settings_from_config({"sequence_parallel_size": sp}, 4, seq_len=SEQ,
+                                        micro_batch=4)
+        got[sp] = estimator.activation_bytes(settings, 4)
+    assert got[1] > got[2] > got[4]
+    assert 0.45 < got[2] / got[1] < 0.6 and 0.2 < got[4] / got[1] < 0.35, got
+    with pytest.raises(ValueError, match="sequence_parallel_size 4 needs a sequence length "
+                       "divisible by it, got 6"):
+        estimator.activation_bytes(settings_from_config(
+            {"sequence_parallel_size": 4}, 4, seq_len=6), 1)
