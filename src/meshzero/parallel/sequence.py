@@ -20,8 +20,10 @@ Data (:meth:`SequenceParallel.run`): every rank of an sp group may pass the same
 micro-batch; the rank keeps its chunk ``[r T/sp, (r+1) T/sp)`` of every (B, T, ...) input and
 gets ``position_ids`` of those positions. Inputs that come with ``position_ids`` are taken as
 already sharded. The loss (:meth:`loss`, :meth:`token_mean`) is the full-sequence mean,
-token-weighted across the group; its backward is the adjoint of the sum it takes, so with
-ZeRO averaging gradients over dp x sp the update is that of the full sequences.
+token-weighted across the group (a Hugging Face loss divided by a given
+``num_items_in_batch``: the sum over the group); its backward is the adjoint of the sum it
+takes, so with ZeRO averaging gradients over dp x sp the update is that of the full
+sequences.
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         scatter, gather = ctx.dims
         return ctx.sp.exchange(grad, gather, scatter), None, None, None
+
+
+class _GroupSum(torch.autograd.Function):
+    """``sum_r x_r`` over the sp group, on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:  # type: ignore[override]
+        ctx.sp = sp
+        return sp.all_reduce(x.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.sp.all_reduce(grad.detach().clone()), None
 
 
 class _TokenMean(torch.autograd.Function):
@@ -110,6 +125,16 @@ class SequenceParallel:
         if self.on_comm is not None:  # this rank keeps its own piece: B (sp-1)/sp sent
             self.on_comm("all_to_all", ring_bytes("all_to_all", tensor_bytes(send), self.size))
         return torch.cat(recv.unbind(0), dim=gather).to(x.dtype)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (same shape on all), concatenated along dim 0 in rank order."""
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        with failure_named("all_gather", "sp"):
+            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        if self.on_comm is not None:
+            self.on_comm("all_gather", ring_bytes("all_gather", tensor_bytes(out), self.size))
+        return out
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         with failure_named("all_reduce", "sp"):
@@ -188,7 +213,10 @@ class SequenceParallel:
                 stack.enter_context(self.routing())
             out = module(*args, **kwargs)
         loss = out.get("loss") if isinstance(out, dict) else None  # ModelOutput is a dict
-        if isinstance(loss, torch.Tensor) and counted is not None:
+        if isinstance(loss, torch.Tensor) and kwargs.get("num_items_in_batch") is not None:
+            # the model divided its sum by the caller's token count: the sums add up
+            out["loss"] = _GroupSum.apply(loss, self)
+        elif isinstance(loss, torch.Tensor) and counted is not None:
             out["loss"] = self.token_mean(loss, counted)
         return out
 
@@ -205,8 +233,9 @@ class SequenceParallel:
             raise ValueError("sequence parallelism found no (batch, sequence) tensor in the "
                              "forward's inputs to split")
         batch, length = first.shape[0], first.shape[1]
-        _check_mask(kwargs.get("attention_mask"))
         kwargs = dict(kwargs)
+        if _causal_mask_suffices(kwargs.get("attention_mask")):
+            kwargs["attention_mask"] = None
         counted = None
         if isinstance(kwargs.get("labels"), torch.Tensor):
             # Hugging Face shifts labels inside its loss; shift before cutting, so the last
@@ -328,8 +357,13 @@ def _first_sequence(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _check_mask(mask: Any) -> None:
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ValueError("an attention_mask with padding under sequence parallelism is not "
-                         "supported: attention runs causal over whole sequences; pad at the "
-                         "end with labels -100 and pass no mask (or an all-ones one)")
+def _causal_mask_suffices(mask: Any) -> bool:
+    """Whether a (B, T) padding mask can be dropped: ones, then only zeros (padding at the
+    end, which no earlier token attends to under a causal mask; its labels must be -100)."""
+    if not isinstance(mask, torch.Tensor):
+        return False
+    if mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError("an attention_mask with padding other than at the end under "
+                         "sequence parallelism is not supported: attention runs causal over "
+                         "whole sequences; pad at the end with labels -100")
+    return True

@@ -74,3 +74,28 @@ def use_ulysses(model: nn.Module) -> bool:
     if config._attn_implementation != ATTN_IMPLEMENTATION:
         switch(ATTN_IMPLEMENTATION)
     return True
+
+
+def gather_batch(inputs: dict[str, Any], sp: SequenceParallel) -> dict[str, Any]:
+    """The micro-batches of every rank of ``sp``'s group as one, concatenated along the batch
+    in rank order (the Trainer's loader gives each rank its own): sequences right-padded to
+    the longest, rounded up to a multiple of sp (labels -100, attention_mask 0, ids 0)."""
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 2}
+    if not tensors:
+        return inputs
+    first = next(iter(tensors.values()))
+    shape = sp.all_gather(torch.tensor([first.shape[:2]], device=first.device))
+    if bool((shape[:, 0] != shape[0, 0]).any()):
+        raise ValueError(f"sequence parallelism: the ranks of an sp group hold micro-batches "
+                         f"of {shape[:, 0].tolist()} samples; they must hold the same number "
+                         "(set dataloader_drop_last=True)")
+    length = int(shape[:, 1].max())
+    length = -(-length // sp.size) * sp.size
+    out = dict(inputs)
+    for key, value in tensors.items():
+        if value.shape[1] == first.shape[1]:
+            fill = -100 if key in ("labels", "shift_labels") else 0
+            value = F.pad(value, (0, 0) * (value.dim() - 2) + (0, length - value.shape[1]),
+                          value=fill)
+        out[key] = sp.all_gather(value)
+    return out
