@@ -232,7 +232,7 @@ class MeshzeroTrainer(Trainer):
                   and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None))
         if sp is None or not scaled or not model.training:
             return result
-        if return_outputs:
+        if isinstance(result, tuple):  # return_outputs
             return result[0] / sp.size, result[1]
         return result / sp.size
 
