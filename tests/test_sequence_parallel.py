@@ -69,7 +69,7 @@ def _attention_rank(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_attention_and_loss_equal_unsharded(run_ranks, world_size):
     results = run_ranks(_attention_rank, world_size)
     c = T // world_size
@@ -106,8 +106,15 @@ def test_attention_and_loss_equal_unsharded(run_ranks, world_size):
 
 
 def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
-    sp = SequenceParallel(dist.group.WORLD, world_size, rank)
     errors = []
+    cfg = zero_config(0, global_batch=2, sequence_parallel_size=world_size)
+    for model in (GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12)),
+                  _llama_with(num_attention_heads=8, num_key_value_heads=3)):
+        try:  # at initialize, before any work
+            meshzero.initialize(model=model, config=copy.deepcopy(cfg))
+        except ValueError as exc:
+            errors.append(str(exc))
+    sp = SequenceParallel(dist.group.WORLD, world_size, rank)
     for q_heads, kv_heads, length in ((3, 3, 4), (4, 3, 4), (4, 4, 5)):
         q = torch.randn(1, q_heads, length, 2)
         k = torch.randn(1, kv_heads, length, 2)
@@ -119,12 +126,17 @@ def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
 
 
 def test_bad_shapes_are_clear_errors(run_ranks):
+    pytest.importorskip("transformers")
     errors = run_ranks(_bad_shapes_rank, 2)[0]
-    assert len(errors) == 3
+    assert len(errors) == 5
+    assert "blocks.0.attn.n_head = 3 attention heads are not divisible by " \
+        "sequence_parallel_size 2" in errors[0]
+    assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
+        "split over nor replicated to sequence_parallel_size 2" in errors[1]
     assert "blocks.0.attn: 3 attention heads are not divisible by sequence_parallel_size 2" \
-        in errors[0]
-    assert "3 key/value heads can be neither split over nor replicated" in errors[1]
-    assert "sequence length 5 is not divisible by sequence_parallel_size 2" in errors[2]
+        in errors[2]
+    assert "3 key/value heads can be neither split over nor replicated" in errors[3]
+    assert "sequence length 5 is not divisible by sequence_parallel_size 2" in errors[4]
 
 
 def test_config_errors():
@@ -172,28 +184,27 @@ def _gpt_reference(dp: int) -> tuple[dict, list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def _gpt_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
-              stages: tuple[int, ...]) -> list:
+def _gpt_rank(rank: int, world_size: int, runs: tuple[tuple[int, int], ...]) -> list:
+    """Train each (sp, stage) of ``runs``."""
     out = []
-    for sp in sp_sizes:
+    for sp, stage in runs:
         dp = world_size // sp
-        for stage in stages:
-            torch.manual_seed(0)  # the reference's initial weights
-            cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
-            engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
-            assert engine.sequence_parallel is not None
-            rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
-            losses = []
-            for x, y in _gpt_batches(dp):  # every sp rank passes the same full micro-batch
-                logits = engine(x[rows])
-                assert logits.shape[1] == SEQ // sp
-                loss = engine.sequence_parallel.loss(gpt_loss, logits, y[rows])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report(),
-                        engine.memory_report()))
-            engine.close()
+        torch.manual_seed(0)  # the reference's initial weights
+        cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
+        engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
+        assert engine.sequence_parallel is not None
+        rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
+        losses = []
+        for x, y in _gpt_batches(dp):  # every sp rank passes the same full micro-batch
+            logits = engine(x[rows])
+            assert logits.shape[1] == SEQ // sp
+            loss = engine.sequence_parallel.loss(gpt_loss, logits, y[rows])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append((sp, stage, engine.full_state_dict(), losses, engine.comm_report(),
+                    engine.memory_report()))
+        engine.close()
     return out
 
 
@@ -215,10 +226,17 @@ def _assert_matches(results: list, reference) -> None:
                                            msg=lambda m, n=name, w=where: f"{w} {n}: {m}")
 
 
-@pytest.mark.parametrize(("world_size", "sp_sizes"), [(2, (2,)), (4, (2, 4))])
-def test_gpt_equals_single_process(run_ranks, world_size, sp_sizes):
-    results = run_ranks(_gpt_rank, world_size, sp_sizes, (0, 1, 2, 3), timeout=600)
-    refs = {sp: _gpt_reference(world_size // sp) for sp in sp_sizes}
+ALL_STAGES = tuple((sp, stage) for sp in (2, 4) for stage in range(4))
+
+
+@pytest.mark.parametrize(("world_size", "runs"), [
+    (4, ((2, 1), (4, 3))),  # sp 2 x dp 2 and sp 4 x dp 1
+    pytest.param(2, tuple((2, stage) for stage in range(4)), marks=pytest.mark.slow),
+    pytest.param(4, ALL_STAGES, marks=pytest.mark.slow),
+])
+def test_gpt_equals_single_process(run_ranks, world_size, runs):
+    results = run_ranks(_gpt_rank, world_size, runs, timeout=600)
+    refs = {sp: _gpt_reference(world_size // sp) for sp in {sp for sp, _ in runs}}
     _assert_matches(results, lambda sp: refs[sp])
     estimator = Estimator(load_model(_gpt_model))
     for rank, rank_out in enumerate(results):
@@ -269,45 +287,36 @@ def _llama_reference(dp: int) -> tuple[dict, list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def _llama_rank(rank: int, world_size: int, sp_sizes: tuple[int, ...],
-                stages: tuple[int, ...]) -> list:
+def _llama_rank(rank: int, world_size: int, runs: tuple[tuple[int, int], ...]) -> list:
+    """Train each (sp, stage) of ``runs``."""
     out = []
-    for sp in sp_sizes:
+    for sp, stage in runs:
         dp = world_size // sp
-        for stage in stages:
-            cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
-            engine, *_ = meshzero.initialize(model=_llama(), config=copy.deepcopy(cfg))
-            assert engine.module.config._attn_implementation == "meshzero_ulysses"
-            rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
-            losses = []
-            for tokens in _llama_batches(dp):
-                res = engine(input_ids=tokens[rows], labels=tokens[rows])  # the full rows
-                assert res.logits.shape[1] == SEQ // sp
-                engine.backward(res.loss)
-                engine.step()
-                losses.append(res.loss.item())
-            out.append((sp, stage, engine.full_state_dict(), losses, None, None))
-            engine.close()
+        cfg = zero_config(stage, global_batch=MICRO * dp, lr=LR, sequence_parallel_size=sp)
+        engine, *_ = meshzero.initialize(model=_llama(), config=copy.deepcopy(cfg))
+        assert engine.module.config._attn_implementation == "meshzero_ulysses"
+        rows = slice(engine.topology.dp_rank * MICRO, (engine.topology.dp_rank + 1) * MICRO)
+        losses = []
+        for tokens in _llama_batches(dp):
+            res = engine(input_ids=tokens[rows], labels=tokens[rows])  # the full rows
+            assert res.logits.shape[1] == SEQ // sp
+            engine.backward(res.loss)
+            engine.step()
+            losses.append(res.loss.item())
+        out.append((sp, stage, engine.full_state_dict(), losses, None, None))
+        engine.close()
     return out
 
 
-def test_hf_llama_equals_single_process(run_ranks):
+@pytest.mark.parametrize("runs", [
+    ((2, 2), (4, 0)),  # kv heads split over sp 2, copied to sp 4
+    pytest.param(ALL_STAGES, marks=pytest.mark.slow),
+])
+def test_hf_llama_equals_single_process(run_ranks, runs):
     pytest.importorskip("transformers")
-    results = run_ranks(_llama_rank, 4, (2, 4), (0, 1, 2, 3), timeout=600)
+    results = run_ranks(_llama_rank, 4, runs, timeout=600)
     refs = {sp: _llama_reference(4 // sp) for sp in (2, 4)}
     _assert_matches(results, lambda sp: refs[sp])
-
-
-def _bad_heads_rank(rank: int, world_size: int) -> list[str]:
-    errors = []
-    cfg = zero_config(0, global_batch=2, sequence_parallel_size=world_size)
-    for model in (GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12)),
-                  _llama_with(num_attention_heads=8, num_key_value_heads=3)):
-        try:
-            meshzero.initialize(model=model, config=copy.deepcopy(cfg))
-        except ValueError as exc:
-            errors.append(str(exc))
-    return errors
 
 
 def _llama_with(**overrides):
@@ -316,16 +325,6 @@ def _llama_with(**overrides):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=24, intermediate_size=32, num_hidden_layers=1, vocab_size=16,
         **overrides))
-
-
-def test_heads_not_divisible_fail_at_initialize(run_ranks):
-    pytest.importorskip("transformers")
-    errors = run_ranks(_bad_heads_rank, 2)[0]
-    assert len(errors) == 2
-    assert "blocks.0.attn.n_head = 3 attention heads are not divisible by " \
-        "sequence_parallel_size 2" in errors[0]
-    assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
-        "split over nor replicated to sequence_parallel_size 2" in errors[1]
 
 
 def _checkpoint_rank(rank: int, world_size: int, path: str) -> list[bool]:
