@@ -7,6 +7,7 @@ plain-torch process on the full sequences (our GPT and a tiny Hugging Face Llama
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -372,3 +373,31 @@ def test_estimator_activations_fall_with_sp():
                        "divisible by it, got 6"):
         estimator.activation_bytes(settings_from_config(
             {"sequence_parallel_size": 4}, 4, seq_len=6), 1)
+
+
+def test_estimate_takes_sp(capsys):
+    from meshzero.cli import main
+
+    # a small GPU: the search for the largest micro batch that fits stays short
+    args = ["meshzero.demo.gpt:GPT", "--gpus-per-node", "4", "--gpu-memory", "200MB",
+            "--stage", "3", "--seq-len", "128", "--micro-batch", "4"]
+    assert main(["estimate", *args, "--sp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["sp"] == 2
+    assert main(["estimate", *args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert data["activations"] < 0.6 * plain["activations"]
+    assert main(["estimate", *args, "--sp", "2"]) == 0
+    assert "sp 2 (Ulysses: seq len / 2 per rank, ZeRO over dp x sp)" in capsys.readouterr().out
+    assert main(["estimate", *args, "--sp", "3"]) == 1
+    assert "sequence_parallel_size (3) = 3 does not divide the world size 4" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plan_takes_sp(capsys):
+    from meshzero.cli import main
+
+    assert main(["plan", "meshzero.demo.gpt:GPT", "--gpus-per-node", "4", "--seq-len", "128",
+                 "--sp", "2", "--top", "3"]) == 0
+    assert "configurations fit" in capsys.readouterr().out
