@@ -20,7 +20,7 @@ from meshzero.config.batch import data_parallel_size
 from meshzero.demo.gpt import GPT, GPTConfig
 from meshzero.demo.gpt import loss_fn as gpt_loss
 from meshzero.estimate import Estimator, load_model, settings_from_config
-from meshzero.parallel.sequence import SequenceParallel
+from meshzero.parallel.sequence import SequenceParallel, route_attention_modules
 from tests.engine_runs import ADAM_EPS, zero_config
 
 GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -67,6 +67,22 @@ def _attention_rank(rank: int, world_size: int) -> dict:
     loss = sp.loss(lambda o, t: F.cross_entropy(o.reshape(-1, 5), t.reshape(-1)), local, target)
     loss.backward()
     out["loss"] = (loss.detach(), local.grad)
+    # seq_parallel_communication_data_type bf16: half the bytes on the wire
+    wire = SequenceParallel(dist.group.WORLD, world_size, rank, torch.bfloat16, on_comm=count)
+    q, k, v, _ = (wire.shard(t, dim=2) for t in _qkv(4, 4))
+    sent.clear()
+    out["bf16"] = (wire.sdpa(q, k, v, is_causal=True), dict(sent))
+    # a plan: SDPA routed inside the named modules of a model that never heard of sp
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    plan = SequenceParallel(dist.group.WORLD, world_size, rank)
+    hooks = route_attention_modules(model, plan, ("blocks.*.attn",))
+    idx = torch.arange(SEQ).remainder(GPT_CFG.vocab_size).view(1, SEQ)
+    chunk = SEQ // world_size
+    with torch.no_grad():
+        out["plan"] = model(plan.shard(idx), position_ids=torch.arange(
+            rank * chunk, (rank + 1) * chunk).view(1, chunk))
+    out["plan_hooks"] = (len(hooks), plan.routes_sdpa)
     return out
 
 
@@ -96,6 +112,18 @@ def test_attention_and_loss_equal_unsharded(run_ranks, world_size):
     target[:, T // 2 + 1:] = -100
     want = F.cross_entropy(logits.reshape(-1, 5), target.reshape(-1))
     want.backward()
+    y = F.scaled_dot_product_attention(*_qkv(4, 4)[:3], is_causal=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        full = GPT(GPT_CFG)(torch.arange(SEQ).remainder(GPT_CFG.vocab_size).view(1, SEQ))
+    for rank, res in enumerate(results):
+        got, sent = res["bf16"]
+        torch.testing.assert_close(got, y[:, :, rank * c:(rank + 1) * c], rtol=0, atol=3e-2)
+        assert sent == {"all_to_all": 4 * B * 4 * c * D * 2 * (world_size - 1) // world_size}
+        chunk = SEQ // world_size
+        torch.testing.assert_close(res["plan"], full[:, rank * chunk:(rank + 1) * chunk],
+                                   rtol=1e-5, atol=1e-6)
+        assert res["plan_hooks"] == (2 * GPT_CFG.n_layer, False)
     for rank, res in enumerate(results):
         loss, grad = res["loss"]
         torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-7)
@@ -401,3 +429,31 @@ def test_plan_takes_sp(capsys):
     assert main(["plan", "meshzero.demo.gpt:GPT", "--gpus-per-node", "4", "--seq-len", "128",
                  "--sp", "2", "--top", "3"]) == 0
     assert "configurations fit" in capsys.readouterr().out
+
+
+def test_inputs_are_cut_with_positions_labels_and_masks():
+    """What a rank's forward gets (no communication: rank 1 of a group of 2)."""
+    sp = SequenceParallel(None, 2, 1)
+    model = GPT(GPT_CFG)
+    ids = torch.arange(16).view(2, 8)
+    args, kwargs, counted = sp.shard_inputs(model, (ids,), {})
+    assert torch.equal(args[0], ids[:, 4:]) and counted is None
+    assert torch.equal(kwargs["position_ids"], torch.arange(4, 8).expand(2, 4))
+    labels = ids.clone()
+    labels[1, 6:] = -100  # padding at the end
+    mask = (labels != -100).long()
+    _, kwargs, counted = sp.shard_inputs(model, (), {"input_ids": ids, "labels": labels,
+                                                     "attention_mask": mask})
+    # shifted before the cut: the chunk's last position predicts nothing (end of sequence)
+    assert kwargs["shift_labels"].tolist() == [[5, 6, 7, -100], [13, -100, -100, -100]]
+    assert kwargs["attention_mask"] is None and int(counted) == 4
+    with pytest.raises(ValueError, match="padding other than at the end"):
+        sp.shard_inputs(model, (ids,), {"attention_mask": mask.flip(1)})
+    presharded = {"position_ids": torch.arange(4, 8).expand(2, 4)}
+    assert sp.shard_inputs(model, (ids[:, 4:],), presharded)[1] is presharded
+    with pytest.raises(ValueError, match="sequence length 7 is not divisible by "
+                       "sequence_parallel_size 2; pad the sequences"):
+        sp.shard_inputs(model, (ids[:, :7],), {})
+    with pytest.raises(ValueError, match="Linear.forward takes no position_ids: under "
+                       "sequence_parallel_size 2 rank 1 holds positions 4..7"):
+        sp.shard_inputs(torch.nn.Linear(8, 8), (torch.randn(2, 8, 8),), {})

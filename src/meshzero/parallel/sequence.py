@@ -309,10 +309,14 @@ def route_attention_modules(model: nn.Module, sp: SequenceParallel,
     for name, sub in model.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
             mode = _RouteSDPA(sp, name)
-            hooks.append(sub.register_forward_pre_hook(
-                lambda *_, m=mode: m.__enter__()))
-            hooks.append(sub.register_forward_hook(
-                lambda *_, m=mode: m.__exit__(None, None, None)))
+
+            def enter(*_: Any, mode: _RouteSDPA = mode) -> None:
+                mode.__enter__()
+
+            def leave(*_: Any, mode: _RouteSDPA = mode) -> None:
+                mode.__exit__(None, None, None)
+
+            hooks += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave)]
     if not hooks:
         raise ValueError(f"sequence parallelism: no module matches the attention patterns "
                          f"{list(patterns)}")
