@@ -360,10 +360,15 @@ def _checkpoint_rank(rank: int, world_size: int, path: str) -> list[bool]:
     """Save at sp = 2 (ZeRO-3 over dp x sp: one file per rank), load at sp = 1 (dp = 2) and
     at sp = 2 again."""
     x, y = _gpt_batches(1)[0]
-    cfg = zero_config(3, global_batch=MICRO, lr=LR, sequence_parallel_size=2)
+    cfg = zero_config(3, global_batch=MICRO, lr=LR, sequence_parallel_size=2,
+                      flops_profiler={"enabled": True, "profile_step": 0,
+                                      "output_file": f"{path}-profile-{rank}.txt"})
     engine, *_ = meshzero.initialize(model=GPT(GPT_CFG), config=copy.deepcopy(cfg))
     engine.backward(engine.sequence_parallel.loss(gpt_loss, engine(x), y))
     engine.step()
+    report = engine.last_profile
+    assert report is not None
+    profile = (report.sequence_parallel_size, report.tokens_per_rank, report.fwd_flops_model)
     engine.save_checkpoint(path, tag="t")
     want = engine.full_state_dict()
     engine.close()
@@ -377,11 +382,25 @@ def _checkpoint_rank(rank: int, world_size: int, path: str) -> list[bool]:
         got = other.full_state_dict()
         same.append(all(torch.equal(got[k], want[k]) for k in want))
         other.close()
-    return same
+    return [*same, profile]
 
 
 def test_checkpoint_saved_at_sp_loads_anywhere(run_ranks, tmp_path):
-    assert run_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt")) == [[True, True]] * 2
+    """... and the profiler reports sp, tokens per rank, and the model's FLOPs (the sum over
+    the sp ranks) as one process on the whole sequences counts them."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    results = run_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt"))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        GPT(GPT_CFG)(_gpt_batches(1)[0][0])
+    # torch's counter has no formula for the CPU SDPA kernel; meshzero's profiler does
+    heads = (MICRO, GPT_CFG.n_head, SEQ, GPT_CFG.n_embd // GPT_CFG.n_head)
+    want = counter.get_total_flops() + GPT_CFG.n_layer * sdpa_flop_count(heads, heads, heads)
+    for same_at_sp1, same_at_sp2, profile in results:
+        assert same_at_sp1 and same_at_sp2
+        assert profile == (2, MICRO * SEQ // 2, want)
+    assert "sequence-parallel size (Ulysses):" in (tmp_path / "ckpt-profile-0.txt").read_text()
     assert sorted(p.name for p in (tmp_path / "ckpt" / "t").glob("rank*.safetensors")) == [
         "rank00000.safetensors", "rank00001.safetensors"]
 

@@ -155,7 +155,7 @@ class StepProfiler:
             world_size=e.topology.world_size, data_parallel_size=e.topology.dp_size,
             tensor_parallel_size=e.topology.tp_size, pipeline_parallel_size=e.topology.pp_size,
             zero_stage=e.zero_stage, zero_description=describe_zero(
-                e.zero_stage, e.topology.dp_size, e.comm.size, e.topology.tp_size,
+                e.zero_stage, e.dp_comm.size, e.comm.size, e.topology.tp_size,
                 e.topology.pp_size),
             params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
@@ -173,6 +173,8 @@ class StepProfiler:
             modules=module_rows(e.module, c, held),
             rank_min_max={k: v[:2] for k, v in spread.items()},
             profile_step=self.profile_step, module_depth=fcfg.module_depth,
+            sequence_parallel_size=e.topology.sp_size, tokens_per_rank=(
+                e.sequence_parallel.local_tokens if e.sequence_parallel else None),
             top_modules=fcfg.top_modules, detailed=fcfg.detailed)
 
 
