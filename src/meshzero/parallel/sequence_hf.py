@@ -11,6 +11,7 @@ attention is causal over whole sequences (padding goes at the end, with labels -
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from meshzero.parallel.sequence import SequenceParallel
+
+logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "meshzero_ulysses"
 _current: ContextVar[SequenceParallel | None] = ContextVar("meshzero_sp", default=None)
@@ -72,6 +75,8 @@ def use_ulysses(model: nn.Module) -> bool:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
     if config._attn_implementation != ATTN_IMPLEMENTATION:
+        logger.info("sequence parallelism: attn_implementation %r -> %r (torch SDPA between "
+                    "the all-to-alls)", config._attn_implementation, ATTN_IMPLEMENTATION)
         switch(ATTN_IMPLEMENTATION)
     return True
 
