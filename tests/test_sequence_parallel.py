@@ -144,6 +144,10 @@ def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
         except ValueError as exc:
             errors.append(str(exc))
     sp = SequenceParallel(dist.group.WORLD, world_size, rank)
+    try:  # a loader sharded over every rank: the sp ranks got different samples
+        sp.shard_inputs(GPT(GPT_CFG), (torch.full((1, 4), rank),), {})
+    except ValueError as exc:
+        errors.append(str(exc))
     for q_heads, kv_heads, length in ((3, 3, 4), (4, 3, 4), (4, 4, 5)):
         q = torch.randn(1, q_heads, length, 2)
         k = torch.randn(1, kv_heads, length, 2)
@@ -157,15 +161,17 @@ def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
 def test_bad_shapes_are_clear_errors(run_ranks):
     pytest.importorskip("transformers")
     errors = run_ranks(_bad_shapes_rank, 2)[0]
-    assert len(errors) == 5
+    assert len(errors) == 6
     assert "blocks.0.attn.n_head = 3 attention heads are not divisible by " \
         "sequence_parallel_size 2" in errors[0]
     assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
         "split over nor replicated to sequence_parallel_size 2" in errors[1]
+    assert "the ranks of a sequence-parallel group passed different micro-batches " \
+        "((batch, length, sum) per rank: [[1.0, 4.0, 0.0], [1.0, 4.0, 4.0]])" in errors[2]
     assert "blocks.0.attn: 3 attention heads are not divisible by sequence_parallel_size 2" \
-        in errors[2]
-    assert "3 key/value heads can be neither split over nor replicated" in errors[3]
-    assert "sequence length 5 is not divisible by sequence_parallel_size 2" in errors[4]
+        in errors[3]
+    assert "3 key/value heads can be neither split over nor replicated" in errors[4]
+    assert "sequence length 5 is not divisible by sequence_parallel_size 2" in errors[5]
 
 
 def test_config_errors():

@@ -112,6 +112,7 @@ class SequenceParallel:
     full_length: int | None = field(default=None, init=False)  # T of the last micro-batch
     local_tokens: int = field(default=0, init=False)  # B * T/sp of the last micro-batch
     _inside: bool = field(default=False, init=False, repr=False)
+    _checked: bool = field(default=False, init=False, repr=False)  # same batch on every rank
 
     # -- communication -----------------------------------------------------------------------
     def exchange(self, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
@@ -233,6 +234,8 @@ class SequenceParallel:
             raise ValueError("sequence parallelism found no (batch, sequence) tensor in the "
                              "forward's inputs to split")
         batch, length = first.shape[0], first.shape[1]
+        if not self._checked and dist.is_initialized():
+            self._check_same_batch(first)
         kwargs = dict(kwargs)
         if _causal_mask_suffices(kwargs.get("attention_mask")):
             kwargs["attention_mask"] = None
@@ -260,6 +263,21 @@ class SequenceParallel:
                                               device=first.device).expand(batch, chunk)
         self.full_length, self.local_tokens = length, batch * chunk
         return args, kwargs, counted
+
+    def _check_same_batch(self, first: torch.Tensor) -> None:
+        """Once: every rank of the group passed the same micro-batch (a loader sharded over
+        every rank instead of the dp ranks would mix sequences silently)."""
+        mine = torch.tensor([[first.shape[0], first.shape[1], first.double().sum().item()]],
+                            dtype=torch.float64, device=first.device)
+        seen = self.all_gather(mine)
+        if not bool((seen == mine).all()):
+            raise ValueError("the ranks of a sequence-parallel group passed different "
+                             "micro-batches ((batch, length, sum) per rank: "
+                             f"{seen.tolist()}); give every rank of an sp group the same data: "
+                             "shard the loader over engine.topology.dp_size ranks by "
+                             "engine.topology.dp_rank, or pass pre-sharded inputs with "
+                             "position_ids")
+        self._checked = True
 
     # -- loss --------------------------------------------------------------------------------
     def token_mean(self, mean: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
