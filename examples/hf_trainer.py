@@ -46,12 +46,13 @@ def fixed_data() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def ds_config(stage: int, offload: str) -> dict:
+def ds_config(stage: int, offload: str, sp: int = 1) -> dict:
     """A DeepSpeed-style config with "auto" values the Trainer fills from its arguments."""
     zero: dict = {"stage": stage}
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload}
     return {
+        "sequence_parallel_size": sp,
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
@@ -71,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2, help="gradient_accumulation_steps")
     p.add_argument("--save-steps", type=int, default=0, help="save checkpoint-N every N steps")
     p.add_argument("--resume", default=None, help="a checkpoint-N folder to resume from")
+    p.add_argument("--sp", type=int, default=1,
+                   help="sequence_parallel_size (Ulysses; docs/long-sequences.md)")
     p.add_argument("--plain", action="store_true", help="the plain transformers.Trainer")
     return p.parse_args()
 
@@ -88,7 +91,8 @@ def main() -> None:
     if cli.plain:
         trainer = Trainer(**common)
     else:
-        trainer = MeshzeroTrainer(**common, meshzero_config=ds_config(cli.stage, cli.offload))
+        trainer = MeshzeroTrainer(**common, meshzero_config=ds_config(cli.stage, cli.offload,
+                                                                     cli.sp))
     trainer.train(resume_from_checkpoint=cli.resume)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(cli.out, "final"))

@@ -71,6 +71,10 @@ COVERED: dict[str, str] = {
     "[--max-shard-size 5GB]": "tests/test_consolidate.py::test_cli_consolidate",
     "python examples/hf_trainer.py --out runs/plain --plain --per-device 4": EXAMPLE,
     "torchrun --nproc-per-node 2 examples/hf_trainer.py --out runs/zero3 --save-steps 3": EXAMPLE,
+    "torchrun --nproc-per-node 2 examples/hf_trainer.py --out runs/sp2 --sp 2":
+        "tests/test_hf_trainer.py::test_sequence_parallel_matches_plain_trainer",
+    "python benchmarks/sequence_parallel.py --steps 5": "not run: minutes-long; its figures "
+        "are in docs/long-sequences.md and benchmarks/RESULTS.md",
     "python examples/hf_trainer.py --out runs/resumed --per-device 4 --resume "
     "runs/zero3/checkpoint-3":
         "tests/test_hf_trainer.py::test_resume_at_world_size_one_continues_identically",

@@ -99,6 +99,15 @@ def test_resume_at_world_size_one_continues_identically(runs, tmp_path) -> None:
                        [e for e in full if e["step"] > 3])
 
 
+def test_sequence_parallel_matches_plain_trainer(runs, tmp_path) -> None:
+    """sequence_parallel_size 2 on 2 ranks (issue 28): the two ranks join their per-device
+    batches of 2 and split every sequence; the same steps as the plain Trainer's."""
+    got = run_example(tmp_path / "sp", "--stage", "3", "--sp", "2", ranks=2)
+    plain = _losses(runs["plain"])
+    assert_same_losses(got["train"], plain["train"])
+    assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=TOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "none"), (3, "cpu"), (2, "cpu")])
 def test_stages_and_offload_match_plain_trainer(runs, tmp_path, stage, offload) -> None:

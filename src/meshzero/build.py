@@ -4,7 +4,7 @@
 
 1. process groups and communicators (with ``faults.comm_timeout``; every rank's config and
    model checked to agree first, so a mismatch is an error and never a hang; the (pp, dp,
-   tp) mesh; ZeRO's shard, MiCS and hpZ communicators over dp)
+   sp, tp) mesh; ZeRO's shard, MiCS and hpZ communicators over dp x sp; Ulysses' sp group)
 2. materialise (a factory or meta-device model, unit by unit, later by ZeRO) or broadcast
    (an eager model: every rank starts from one rank's parameters)
 3. pipeline cut (this rank keeps its stage(s))
@@ -40,6 +40,8 @@ from meshzero.parallel.compose import (
 )
 from meshzero.parallel.pipeline import Pipeline
 from meshzero.parallel.plans import shipped_plan
+from meshzero.parallel.sequence import SequenceParallel, check_heads
+from meshzero.parallel.sequence_hf import use_ulysses
 from meshzero.precision import LossScaler
 from meshzero.schedulers import build_scheduler
 from meshzero.topology import Topology, build_topology, init_distributed
@@ -76,6 +78,7 @@ class Built:
     loss_scaler: LossScaler
     model_parallel_comms: list[Communicator]  # over tp and pp, for norms and overflow
     norm_weights: dict[int, float] | None  # id(param) -> weight in the global grad norm
+    sequence: SequenceParallel | None = None  # Ulysses, when sequence_parallel_size > 1
 
 
 def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
@@ -89,9 +92,12 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     made = init_distributed(timeout=timeout)
     check_ranks_agree(config, model)  # before any group or broadcast depends on them
     topology = build_topology(config.tensor_parallel.size, config.pipeline_parallel.size,
-                              config.topology.ranks_per_node, timeout, world_timeout=made)
+                              config.topology.ranks_per_node, timeout, world_timeout=made,
+                              sp_size=config.sequence_parallel_size)
     if topology.world_size > 1 and topology.rank == 0:
         logger.info("%s", topology.rank_map())
+    if topology.sp_size > 1 and isinstance(model, nn.Module):  # before any work (a factory's
+        check_heads(model, topology.sp_size)  # model: once it is built, in _sequence)
     batch = config.resolve_batch(topology.dp_size)  # the batch rule needs the dp size
     if config.seed is not None:  # before materialising: initialisation draws from it
         torch.manual_seed(config.seed)
@@ -109,6 +115,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
         # 3-4. pipeline cut, then tp on what this rank kept (tp plans name stage modules)
         model, pipe = _cut(model, config, topology, batch, comms.stats, loss_fn=loss_fn,
                            example_inputs=example_inputs, pipeline_layout=pipeline_layout)
+    sequence = _sequence(model, config, topology, comms.stats)
     # 5. ZeRO after the cuts: it shards only the parameters left on this rank
     zero = _zero_state(model, config, topology, comms, materializer)
     _cast_buffers(model, config.compute_dtype)
@@ -124,7 +131,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
                  zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
                  loss_scaler=LossScaler.from_config(config.fp16),
                  model_parallel_comms=model_parallel_comms(topology, comms.stats),
-                 norm_weights=norm_weights(model, topology, pipe))
+                 norm_weights=norm_weights(model, topology, pipe), sequence=sequence)
 
 
 def _communicators(topology: Topology, config: Config) -> Comms:
@@ -137,7 +144,7 @@ def _communicators(topology: Topology, config: Config) -> Comms:
         return Communicator(group, name, stats, async_ops=zc.overlap_comm,
                             inter_node=topology.spans_nodes(group))
 
-    dp = make(topology.dp_group, "dp")
+    dp = make(topology.zero_group, "dp")  # dp x sp: sp ranks are data-parallel to ZeRO
     shard, replica = dp, None
     mics = zc.mics_shard_size
     if mics not in (-1, 0, 1) and mics != dp.size:
@@ -149,9 +156,24 @@ def _communicators(topology: Topology, config: Config) -> Comms:
     return Comms(stats=stats, dp=dp, shard=shard, replica=replica, hpz=hpz)
 
 
+def _sequence(model: nn.Module, config: Config, topology: Topology,
+              stats: CommStats) -> SequenceParallel | None:
+    """Ulysses over the sp group; a transformers model switched to its attention function."""
+    if topology.sp_size == 1:
+        return None
+    check_heads(model, topology.sp_size)  # again for a factory's model
+    group = topology.sp_group
+    sequence = SequenceParallel(
+        group, topology.sp_size, topology.sp_rank, config.sequence_comm_dtype,
+        on_comm=stats.counter("sp", inter_node=topology.spans_nodes(group)))
+    if use_ulysses(model):
+        sequence.routes_sdpa = False
+    return sequence
+
+
 def _dp_src(topology: Topology) -> int:
-    """The global rank of dp rank 0 of this rank's dp group."""
-    group = topology.dp_group
+    """The global rank of the first rank of this rank's ZeRO group (dp x sp)."""
+    group = topology.zero_group
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
@@ -214,7 +236,7 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         max_live_numel=zc.stage3_max_live_parameters,
         max_reuse_distance=zc.stage3_max_reuse_distance,
         offload=OffloadOptions.from_config(zc),
-        grad_predivide=config.grad_predivide(topology.dp_size),
+        grad_predivide=config.grad_predivide(comms.dp.size),
         group_timeout=topology.timeout,
     )
     return ZeroModelState(model, comms.shard, topology.device, options,

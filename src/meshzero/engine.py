@@ -105,6 +105,7 @@ class Engine(nn.Module):
         self.loss_scaler = built.loss_scaler
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
+        self.sequence_parallel = built.sequence  # Ulysses (parallel/sequence.py) or None
         self.counters = StepCounters()
         self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.fp16.enabled,
                                comm=self.comm, model_parallel=self.model_parallel_comms,
@@ -228,7 +229,8 @@ class Engine(nn.Module):
             args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
                 kwargs, self.compute_dtype)
         with self.zero.start_forward():
-            out = self.module(*args, **kwargs)
+            sp = self.sequence_parallel  # Ulysses: runs this rank's sequence chunk
+            out = sp.run(self.module, args, kwargs) if sp else self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 

@@ -1,13 +1,20 @@
-"""The named device mesh (pp, dp, tp) and its process groups.
+"""The named device mesh (pp, dp, sp, tp) and its process groups.
 
-Ranks are laid out with tp innermost (inside a node), then dp, then pp outermost, so that
-``rank = (pp_index * dp + dp_index) * tp + tp_index``: with 4 nodes, pp=4 and tp = ranks per
-node, each pipeline stage is one node and tensor slices stay inside it. Node of a rank:
-``rank // ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE unless the config says otherwise).
+Ranks are laid out with tp innermost (inside a node), then sp (Ulysses sequence parallelism,
+all-to-all heavy: inside a node too when tp * sp <= ranks per node), then dp, then pp
+outermost, so that ``rank = ((pp_index * dp + dp_index) * sp + sp_index) * tp + tp_index``:
+with 4 nodes, pp=4 and tp = ranks per node, each pipeline stage is one node and tensor
+slices stay inside it. Node of a rank: ``rank // ranks_per_node`` (torchrun's
+LOCAL_WORLD_SIZE unless the config says otherwise).
+
+ZeRO shards over dp x sp (the ``zero`` group), as DeepSpeed does: the sp ranks of a replica
+hold the same parameters and see different parts of the same sequences, so to ZeRO they are
+data-parallel ranks; the batch rule counts dp only (sp ranks share their samples).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -20,7 +27,7 @@ from meshzero.config.batch import data_parallel_size
 
 logger = logging.getLogger(__name__)
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "sp", "tp")  # outermost first
 
 
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> bool:
@@ -61,7 +68,8 @@ def default_device() -> torch.device:
 
 @dataclass
 class Topology:
-    """This rank's place in the (pp, dp, tp) mesh and the process group of each axis."""
+    """This rank's place in the (pp, dp, sp, tp) mesh and the process group of each axis
+    (``groups["zero"]``: dp x sp, the ranks ZeRO shards over)."""
 
     world_size: int
     rank: int
@@ -81,8 +89,7 @@ class Topology:
         return rank // self.ranks_per_node
 
     def coords_of(self, rank: int) -> dict[str, int]:
-        tp, dp = self.sizes["tp"], self.sizes["dp"]
-        return {"pp": rank // (tp * dp), "dp": (rank // tp) % dp, "tp": rank % tp}
+        return _coords(self.sizes, rank)
 
     def spans_nodes(self, group: dist.ProcessGroup | None) -> bool:
         """Whether a collective over ``group`` has members on more than one node."""
@@ -117,10 +124,11 @@ class Topology:
         return block, across
 
     def rank_map(self) -> str:
-        """For every node, each rank's (pp, dp, tp) coordinates."""
+        """For every node, each rank's (pp, dp, sp, tp) coordinates (sp only when > 1)."""
         nodes = -(-self.world_size // self.ranks_per_node)
-        lines = [f"mesh pp={self.sizes['pp']} x dp={self.sizes['dp']} x tp={self.sizes['tp']} "
-                 f"over {self.world_size} ranks, {self.ranks_per_node} per node "
+        shown = [a for a in AXES if a != "sp" or self.sizes["sp"] > 1]
+        mesh = " x ".join(f"{a}={self.sizes[a]}" for a in shown)
+        lines = [f"mesh {mesh} over {self.world_size} ranks, {self.ranks_per_node} per node "
                  "(tp innermost, pp outermost)"]
         for node in range(nodes):
             ranks = range(node * self.ranks_per_node,
@@ -128,7 +136,7 @@ class Topology:
             cells = []
             for r in ranks:
                 c = self.coords_of(r)
-                cells.append(f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})")
+                cells.append(f"rank {r} (" + ", ".join(f"{a} {c[a]}" for a in shown) + ")")
             lines.append(f"  node {node}: " + ", ".join(cells))
         return "\n".join(lines)
 
@@ -145,6 +153,33 @@ class Topology:
         return self.groups["dp"]
 
     @property
+    def sp_size(self) -> int:
+        return self.sizes["sp"]
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coords["sp"]
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.groups["sp"]
+
+    @property
+    def zero_size(self) -> int:
+        """dp x sp: how many ranks hold the same model slice."""
+        return self.sizes["dp"] * self.sizes["sp"]
+
+    @property
+    def zero_rank(self) -> int:
+        """This rank's place among them (the order of ``groups["zero"]``: sp fastest)."""
+        return self.coords["dp"] * self.sizes["sp"] + self.coords["sp"]
+
+    @property
+    def zero_group(self) -> dist.ProcessGroup | None:
+        """dp x sp: the ranks that hold the same model slice (ZeRO shards over them)."""
+        return self.groups["zero"]
+
+    @property
     def tp_size(self) -> int:
         return self.sizes["tp"]
 
@@ -153,46 +188,63 @@ class Topology:
         return self.sizes["pp"]
 
 
-def _axis_ranks(sizes: dict[str, int], axis: str) -> list[list[int]]:
-    """Every group of ranks that vary only along ``axis`` (all ranks must create all groups)."""
-    pp, dp, tp = (sizes[a] for a in AXES)
-    rank_of = lambda i, j, k: (i * dp + j) * tp + k  # noqa: E731
-    if axis == "tp":
-        return [[rank_of(i, j, k) for k in range(tp)] for i in range(pp) for j in range(dp)]
-    if axis == "dp":
-        return [[rank_of(i, j, k) for j in range(dp)] for i in range(pp) for k in range(tp)]
-    return [[rank_of(i, j, k) for i in range(pp)] for j in range(dp) for k in range(tp)]
+def _coords(sizes: dict[str, int], rank: int) -> dict[str, int]:
+    """The mesh coordinates of ``rank`` (tp fastest, pp slowest)."""
+    coords = {}
+    for axis in reversed(AXES):
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def _rank_of(sizes: dict[str, int], coords: dict[str, int]) -> int:
+    rank = 0
+    for axis in AXES:
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
+
+
+def _axis_ranks(sizes: dict[str, int], *axes: str) -> list[list[int]]:
+    """Every group of ranks that vary only along ``axes`` (all ranks must create all groups);
+    members in rank order, so the first of ``("dp", "sp")`` varies slowest."""
+    fixed = [a for a in AXES if a not in axes]
+    groups = []
+    for at in itertools.product(*(range(sizes[a]) for a in fixed)):
+        base = dict(zip(fixed, at, strict=True))
+        groups.append([_rank_of(sizes, {**base, **dict(zip(axes, moving, strict=True))})
+                       for moving in itertools.product(*(range(sizes[a]) for a in axes))])
+    return groups
 
 
 def build_topology(tp_size: int = 1, pp_size: int = 1, ranks_per_node: int | None = None,
-                   timeout: timedelta | None = None, world_timeout: bool = True) -> Topology:
-    """Build the mesh over the initialised world. ``dp = world / (tp * pp)``. Groups get
+                   timeout: timedelta | None = None, world_timeout: bool = True,
+                   sp_size: int = 1) -> Topology:
+    """Build the mesh over the initialised world. ``dp = world / (tp * pp * sp)``. Groups get
     ``timeout``; an axis spanning the world reuses the default group when that has it
     (``world_timeout``; False: the caller made it, maybe with torch's 30-minute default)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    data_parallel_size(world, tp_size, pp_size)  # the config's check, shared with the estimator
+    # the config's check, shared with the estimator
+    dp = data_parallel_size(world, tp_size, pp_size, sp_size)
     if ranks_per_node is None:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % ranks_per_node != 0 and ranks_per_node < world:
         raise ValueError(f"topology.ranks_per_node = {ranks_per_node} does not divide the world "
                          f"size {world}")
-    sizes = {"pp": pp_size, "dp": world // (tp_size * pp_size), "tp": tp_size}
-    coords = {
-        "tp": rank % tp_size,
-        "dp": (rank // tp_size) % sizes["dp"],
-        "pp": rank // (tp_size * sizes["dp"]),
-    }
+    sizes = {"pp": pp_size, "dp": dp, "sp": sp_size, "tp": tp_size}
     groups: dict[str, dist.ProcessGroup | None] = {}
-    for axis in AXES:
-        if sizes[axis] == 1:  # nothing to communicate along this axis
-            groups[axis] = None
+    for name, axes in [(a, (a,)) for a in AXES] + [("zero", ("dp", "sp"))]:
+        size = 1
+        for a in axes:
+            size *= sizes[a]
+        if size == 1:  # nothing to communicate along this axis
+            groups[name] = None
             continue
-        if sizes[axis] == world and (timeout is None or world_timeout):
-            groups[axis] = dist.group.WORLD
+        if size == world and (timeout is None or world_timeout):
+            groups[name] = dist.group.WORLD
             continue
-        for ranks in _axis_ranks(sizes, axis):
+        for ranks in _axis_ranks(sizes, *axes):
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                groups[axis] = group
-    return Topology(world, rank, sizes, coords, groups, default_device(),
+                groups[name] = group
+    return Topology(world, rank, sizes, _coords(sizes, rank), groups, default_device(),
                     min(ranks_per_node, world), timeout)

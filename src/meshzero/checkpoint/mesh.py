@@ -43,8 +43,8 @@ class ModelPiece:
     tp: int
     pp_size: int
     tp_size: int
-    file_rank: int  # the dp rank: names this rank's file (and RNG state) in the piece
-    num_files: int  # the dp size: one file per dp rank
+    file_rank: int  # the dp (x sp) rank: names this rank's file (and RNG state) in the piece
+    num_files: int  # the dp (x sp) size: one file per rank ZeRO shards over
     writes_state: bool  # False on MiCS blocks after the first (same shards as the first)
 
     @property
@@ -69,7 +69,7 @@ def piece_name(pp: int, tp: int) -> str:
 def model_piece(state: TrainingState) -> ModelPiece:
     t = state.topology
     return ModelPiece(pp=t.coords["pp"], tp=t.coords["tp"], pp_size=t.pp_size,
-                      tp_size=t.tp_size, file_rank=t.dp_rank, num_files=t.dp_size,
+                      tp_size=t.tp_size, file_rank=t.zero_rank, num_files=t.zero_size,
                       writes_state=state.writes_state)
 
 

@@ -135,7 +135,9 @@ def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiec
     meta = {
         "format": FORMAT, "version": VERSION, "tag": tag, "meshzero_version": __version__,
         "torch_version": torch.__version__, "world_size": piece.num_files,
-        "mesh": dict(state.topology.sizes), "stage": state.zero_stage,
+        # sp only when used: a checkpoint without it reads as before
+        "mesh": {axis: n for axis, n in state.topology.sizes.items() if axis != "sp" or n > 1},
+        "stage": state.zero_stage,
         "compute_dtype": dtype_name(state.compute_dtype), "saved_param_dtype": "float32",
         **model_metadata(state, names),
         "optimizer": optimizer_metadata(state),

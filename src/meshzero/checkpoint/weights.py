@@ -230,7 +230,7 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
 
     def write() -> None:
         try:
-            if t.coords["tp"] == 0 and t.dp_rank == 0:  # this stage's file, as a temporary
+            if t.coords["tp"] == 0 and t.zero_rank == 0:  # this stage's file, as a temporary
                 write_model_temps(save_dir, specs, stream, filename=files[t.coords["pp"]])
         finally:
             for _ in stream:  # keep taking part in the gathers, whatever happened here

@@ -18,6 +18,7 @@ to resolve it. DeepSpeed's aliases, performance hints and values that ask for no
     offload.py      `zero_optimization.offload_optimizer` / `offload_param`
     zero.py         `zero_optimization` and its cross-key rules
     mesh.py         `tensor_parallel`, `pipeline_parallel`, `topology`
+    sequence.py     `sequence_parallel_size`, `seq_parallel_communication_data_type`
     profiler.py     `flops_profiler`
     faults.py       `faults`: non-finite gradients, the communication timeout
     batch.py        train_batch_size = micro * accumulation * dp

@@ -65,15 +65,19 @@ def _divide(tbs: int, known: int, dp_size: int, known_key: str, missing_key: str
     return tbs // (known * dp_size)
 
 
-def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """dp = world / (tp * pp): the ranks ZeRO shards over, given the mesh's tp and pp sizes."""
-    if world_size % (tp * pp) != 0:
+def data_parallel_size(world_size: int, tp: int, pp: int, sp: int = 1) -> int:
+    """dp = world / (tp * pp * sp): the data-parallel ranks (the batch rule's; ZeRO shards
+    over dp x sp), given the mesh's tp, pp and sequence-parallel sizes."""
+    if world_size % (tp * pp * sp) != 0:
+        names = f"tensor_parallel.size ({tp}) x pipeline_parallel.size ({pp})"
+        if sp > 1:
+            names += f" x sequence_parallel_size ({sp})"
         raise ConfigError(
-            f"tensor_parallel.size ({tp}) x pipeline_parallel.size ({pp}) = "
-            f"{tp * pp} does not divide the world size {world_size}; valid: sizes whose "
+            f"{names} = {tp * pp * sp} does not divide the world size {world_size}, so no "
+            f"data-parallel size makes sp x tp x pp x dp = {world_size}; valid: sizes whose "
             f"product divides {world_size}"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * sp)
 
 
 def check_pipeline_batches(micro_batches: int | None, global_batch: int, micro: int, gas: int,

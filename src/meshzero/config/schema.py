@@ -25,6 +25,7 @@ from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
 from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
+from meshzero.config.sequence import SeqCommDtype, sequence_problems
 from meshzero.config.zero import ZeroConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -59,6 +60,8 @@ class Config(BaseModel):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    sequence_parallel_size: PosInt = 1  # Ulysses (config/sequence.py)
+    seq_parallel_communication_data_type: SeqCommDtype | None = None
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())
@@ -85,7 +88,7 @@ class Config(BaseModel):
             problems.append(f"prescale_gradients is true and gradient_predivide_factor is "
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
-        problems += _mesh_problems(self)
+        problems += _mesh_problems(self) + sequence_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -101,9 +104,10 @@ class Config(BaseModel):
         return batch
 
     def dp_size(self, world_size: int) -> int:
-        """Data-parallel (ZeRO) ranks of `world_size`: world / (tp * pp)."""
+        """Data-parallel ranks of `world_size`: world / (tp * pp * sp) (ZeRO shards over
+        dp x sp)."""
         return data_parallel_size(world_size, self.tensor_parallel.size,
-                                  self.pipeline_parallel.size)
+                                  self.pipeline_parallel.size, self.sequence_parallel_size)
 
     @property
     def hints(self) -> tuple[str, ...]:
@@ -140,6 +144,12 @@ class Config(BaseModel):
     @property
     def communication_dtype(self) -> torch.dtype | None:
         dtype = self.communication_data_type
+        return None if dtype is None else _DTYPES[dtype]
+
+    @property
+    def sequence_comm_dtype(self) -> torch.dtype | None:
+        """The Ulysses all-to-all's dtype on the wire (None: the activations' own)."""
+        dtype = self.seq_parallel_communication_data_type
         return None if dtype is None else _DTYPES[dtype]
 
     @property

@@ -102,9 +102,11 @@ class GPT(nn.Module):
         """Parameters of the model, the tied embedding/head once."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) bytes -> (B, T, vocab) logits
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:  # (B, T) bytes -> (B, T, vocab) logits
+        # position_ids (B, T): where idx sits in its sequence (a sequence-parallel shard)
+        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None \
+            else position_ids
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)

@@ -10,10 +10,16 @@ A 70 B-parameter model costs seconds: no kernel runs.
 
 With ``checkpointing``, every unit but the root runs under ``torch.utils.checkpoint``
 (non-reentrant), so its recomputation in backward is counted too.
+
+With Ulysses sequence parallelism (``sp`` > 1) one rank's micro-step runs on seq_len / sp
+tokens, and every ``F.scaled_dot_product_attention`` sees what the all-to-all gives it:
+(B, H/sp, seq_len, D), the whole sequence for 1/sp of the heads (kv heads copied up to sp
+when fewer), and the attention output is turned back into the local chunk's shape.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
@@ -94,9 +101,33 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+class _UlyssesShapes(TorchFunctionMode):
+    """SDPA on the shapes sequence parallelism gives it: (B, H, T/sp, D) -> (B, H/sp, T, D),
+    the same elements (what the all-to-all sends and receives), and back."""
+
+    def __init__(self, sp: int):
+        super().__init__()
+        self.sp = sp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        batch, heads, chunk, dim = q.shape
+        sp = self.sp
+        if k.shape[1] < sp:  # fewer kv heads than sp: each rank gets a copy of one
+            k, v = (t.repeat_interleave(sp // t.shape[1], dim=1) for t in (k, v))
+        q, k, v = (t.reshape(t.shape[0], t.shape[1] // sp, chunk * sp, t.shape[3])
+                   for t in (q, k, v))
+        kwargs["enable_gqa"] = kwargs.get("enable_gqa", False) or q.shape[1] != k.shape[1]
+        out = func(q, k, v, *args[3:], **kwargs)
+        return out.reshape(batch, heads, chunk, dim)
+
+
 def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | None,
                         precision: str, checkpointing: bool,
-                        unit_paths: list[str]) -> ActivationProfile:
+                        unit_paths: list[str], sp: int = 1) -> ActivationProfile:
     """Run one fake forward/backward of ``spec.model`` and count what it allocates.
 
     A deep stack of identical blocks is run at 2, 3 and 4 blocks; when the counts grow by
@@ -104,6 +135,9 @@ def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | Non
     depth.py), else the whole model runs."""
     if not spec.runnable:
         raise ValueError("activations need a model to run; a bare parameter count has none")
+    if sp > 1 and (seq_len is None or seq_len % sp):
+        raise ValueError(f"sequence_parallel_size {sp} needs a sequence length divisible by "
+                         f"it, got {seq_len}")
     start = time.perf_counter()
     model = spec.model
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -125,7 +159,7 @@ def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | Non
 
             def count(probe: DepthProbe | None = None) -> Counts:
                 order.clear()
-                counter = _count(spec, micro_batch, seq_len, DTYPES[precision], probe)
+                counter = _count(spec, micro_batch, seq_len, DTYPES[precision], probe, sp)
                 return Counts(counter.peak, counter.flops, tuple(order), counter.marks)
 
             peak, flops, forward_order, depth = extrapolate_depth(model, unit_paths, count)
@@ -140,11 +174,12 @@ def profile_activations(spec: ModelSpec, *, micro_batch: int, seq_len: int | Non
 
 
 def _count(spec: ModelSpec, micro_batch: int, seq_len: int | None, dtype: torch.dtype,
-           probe: DepthProbe | None) -> _LiveBytes:
+           probe: DepthProbe | None, sp: int = 1) -> _LiveBytes:
     """The counter after one forward/backward, inside the fake mode; ``probe`` marks the
-    segments of a cut stack."""
+    segments of a cut stack; ``sp``: one rank's chunk of seq_len under Ulysses."""
     model = spec.model
-    args, kwargs = _inputs(spec, micro_batch, seq_len, dtype)
+    args, kwargs = _inputs(spec, micro_batch, None if seq_len is None else seq_len // sp,
+                           dtype)
     preexisting = {t.untyped_storage()._cdata for t in
                    [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0]]
                    if isinstance(t, torch.Tensor)}
@@ -152,7 +187,7 @@ def _count(spec: ModelSpec, micro_batch: int, seq_len: int | None, dtype: torch.
     if probe is not None:
         probe.counter = counter
     try:
-        with counter:
+        with counter, (_UlyssesShapes(sp) if sp > 1 else contextlib.nullcontext()):
             loss = _loss(spec, model(*args, **kwargs), args, kwargs)
             counter.mark("post")
             loss.backward()

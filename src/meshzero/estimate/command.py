@@ -67,6 +67,10 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                    help="tensor parallel size (default: the config's tensor_parallel.size, else 1)")
     g.add_argument("--tp-plan", default=None,
                    help="tensor parallel plan: gpt, hf_gpt2 or llama (default: the config's)")
+    g.add_argument("--sp", type=int, default=None,
+                   help="Ulysses sequence parallel size: each rank holds seq-len / sp of every "
+                        "sample, ZeRO shards over dp x sp (default: the config's "
+                        "sequence_parallel_size, else 1)")
     g.add_argument("--pp", type=int, default=None,
                    help="pipeline parallel size (default: the config's, else 1)")
     g.add_argument("--pp-schedule", default=None,
@@ -90,8 +94,8 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
 
 
 def mesh_of(args: argparse.Namespace) -> dict:
-    """The tp/pp flags as settings overrides (None: the config's)."""
-    return {"tp": args.tp, "tp_plan": args.tp_plan, "pp": args.pp,
+    """The tp/pp/sp flags as settings overrides (None: the config's)."""
+    return {"tp": args.tp, "tp_plan": args.tp_plan, "pp": args.pp, "sp": args.sp,
             "pp_schedule": args.pp_schedule, "pp_micro_batches": args.pp_micro_batches}
 
 

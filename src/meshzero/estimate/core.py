@@ -106,7 +106,7 @@ class Estimator:
     @staticmethod
     def _mesh_key(s: Settings) -> tuple:
         return (s.tp, repr(s.tp_plan), s.sequence_parallel, s.pp, s.pp_schedule, s.pp_layers,
-                s.pp_first, s.pp_last, s.pp_stages_per_rank, s.pp_boundaries)
+                s.pp_first, s.pp_last, s.pp_stages_per_rank, s.pp_boundaries, s.sp)
 
     def _mesh(self, s: Settings, group: Any) -> list[RankModule]:
         if s.pp > 1 and not self.spec.runnable:
@@ -116,9 +116,9 @@ class Estimator:
                             group)
 
     def rank_states(self, settings: Settings, world_size: int) -> list[ModelStates]:
-        """Model states of every pp rank (tp rank 0), each over its dp = world / (tp * pp)
-        ZeRO ranks; one entry without a pipeline."""
-        dp = settings.dp_size(world_size)
+        """Model states of every pp rank (tp rank 0), each over its dp x sp ZeRO ranks (dp =
+        world / (tp * pp * sp)); one entry without a pipeline."""
+        dp = settings.zero_size(world_size)
         if settings.model_parallel == 1:
             return [ModelStates(self.spec.layout(
                 dp, stage=settings.stage, persistence_threshold=settings.persistence_threshold,
@@ -157,11 +157,11 @@ class Estimator:
             return self._profiles[key]
         classes = list(s.unit_classes) if s.unit_classes is not None else None
         if s.model_parallel == 1:
-            paths = [u.path for u in self.rank_states(s, 1)[0].layout.units]
+            paths = [u.path for u in self.rank_states(s, s.sp)[0].layout.units]  # any world
             out = [profile_activations(self.spec, micro_batch=micro_batch, seq_len=s.seq_len,
                                        precision=s.precision,
                                        checkpointing=s.activation_checkpointing,
-                                       unit_paths=paths)]
+                                       unit_paths=paths, sp=s.sp)]
         else:
             with fake_tp_group(s.tp) as group:
                 ranks = self._mesh(s, group)

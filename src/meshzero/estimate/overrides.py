@@ -33,6 +33,7 @@ CONFIG_KEYS: dict[str, str] = {
     "tp": "tensor_parallel.size",
     "tp_plan": "tensor_parallel.plan",
     "sequence_parallel": "tensor_parallel.sequence_parallel",
+    "sp": "sequence_parallel_size",
     "pp": "pipeline_parallel.size",
     "pp_schedule": "pipeline_parallel.schedule",
     "pp_layers": "pipeline_parallel.layers",

@@ -204,6 +204,11 @@ class Settings:
         return self.config.tensor_parallel.sequence_parallel
 
     @property
+    def sp(self) -> int:
+        """Ulysses sequence-parallel size: each rank holds seq_len / sp of every sample."""
+        return self.config.sequence_parallel_size
+
+    @property
     def pp(self) -> int:
         return self.config.pipeline_parallel.size
 
@@ -280,8 +285,12 @@ class Settings:
         return self.tp * self.pp
 
     def dp_size(self, world_size: int) -> int:
-        """Data-parallel (ZeRO) ranks of ``world_size``: world / (tp * pp)."""
+        """Data-parallel ranks of ``world_size``: world / (tp * pp * sp)."""
         return self.config.dp_size(world_size)
+
+    def zero_size(self, world_size: int) -> int:
+        """The ranks ZeRO shards over: dp x sp."""
+        return self.dp_size(world_size) * self.sp
 
     def to_dict(self) -> dict[str, Any]:
         """The settings by the estimator's names (the "settings" of an estimate's JSON)."""
@@ -297,6 +306,9 @@ class Settings:
                          + (", sequence parallel)" if self.sequence_parallel else ")"))
         if self.pp > 1:
             parts.append(f"pp {self.pp} ({self.pp_schedule}, {self.grad_accum} micro-batches)")
+        if self.sp > 1:
+            parts.append(f"sp {self.sp} (Ulysses: seq len / {self.sp} per rank, ZeRO over "
+                         "dp x sp)")
         return ", ".join(parts)
 
     def describe(self) -> str:

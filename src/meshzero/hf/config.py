@@ -52,11 +52,13 @@ def read_raw_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str
 
 
 def argument_values(args: Any, *, world_size: int, max_steps: int | None,
-                    hidden_size: int | None) -> Resolved:
-    """What each key takes from ``TrainingArguments`` (``args``) and the run."""
+                    hidden_size: int | None, sequence_parallel: int = 1) -> Resolved:
+    """What each key takes from ``TrainingArguments`` (``args``) and the run. Under sequence
+    parallelism the ranks of an sp group train on their micro-batches together, so the
+    engine's micro batch is sp x per_device_train_batch_size."""
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     values: Resolved = {
-        "train_micro_batch_size_per_gpu": (micro, True),
+        "train_micro_batch_size_per_gpu": (micro * sequence_parallel, True),
         "gradient_accumulation_steps": (accum, True),
         "train_batch_size": (world_size * micro * accum, True),
         "gradient_clipping": (args.max_grad_norm, True),

@@ -40,6 +40,7 @@ except ImportError as e:  # an extra: say which, rather than a bare ModuleNotFou
 import meshzero
 from meshzero.config import Config, ConfigError, load_config
 from meshzero.hf.config import argument_values, read_raw_config, resolve_auto
+from meshzero.parallel.sequence_hf import gather_batch
 
 MESHZERO_DIR = "meshzero"  # the engine's sharded checkpoint inside checkpoint-N
 SUPPORTED_TRANSFORMERS = ">=5.17,<6"  # pyproject's hf extra; 5.17.0 and 5.25.0 tested
@@ -165,8 +166,10 @@ class MeshzeroTrainer(Trainer):
         """The meshzero config for a run of ``max_steps`` optimizer steps: "auto" resolved,
         agreement with the arguments checked, validated."""
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
+        sp = self.meshzero_raw_config.get("sequence_parallel_size", 1)
         values = argument_values(self.args, world_size=self.args.world_size,
-                                 max_steps=max_steps, hidden_size=hidden)
+                                 max_steps=max_steps, hidden_size=hidden,
+                                 sequence_parallel=sp if isinstance(sp, int) else 1)
         config = load_config(resolve_auto(self.meshzero_raw_config, values))
         if config.tensor_parallel.size > 1 or config.pipeline_parallel.size > 1:
             raise ConfigError("tensor_parallel.size / pipeline_parallel.size > 1: the Trainer's "
@@ -245,6 +248,31 @@ class MeshzeroTrainer(Trainer):
                              "MeshzeroTrainer saved")
 
     # -- the step ------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Under sequence parallelism the ranks of an sp group train on one batch: their
+        micro-batches together (each rank then keeps its sequence chunk)."""
+        inputs = super()._prepare_inputs(inputs)
+        sp = self.engine.sequence_parallel if self.engine is not None else None
+        return inputs if sp is None else gather_batch(inputs, sp)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """The Trainer's, except in training under sequence parallelism: a loss it multiplied
+        by the number of processes (to undo the data-parallel average of a loss over the
+        tokens of all of them) is multiplied by the dp ranks only, as the ranks of an sp group
+        share one batch, whose loss the engine has summed over them. (Training counts the
+        tokens of each rank's own batch, before the group's are joined; evaluation counts the
+        joined batch on every rank, which the multiplication cancels.)"""
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        sp = self.engine.sequence_parallel if self.engine is not None else None
+        scaled = (self.args.average_tokens_across_devices and num_items_in_batch is not None
+                  and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None))
+        if sp is None or not scaled or not model.training:
+            return result
+        if isinstance(result, tuple):  # return_outputs
+            return result[0] / sp.size, result[1]
+        return result / sp.size
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         engine = self.engine

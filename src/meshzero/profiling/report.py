@@ -88,6 +88,8 @@ class ProfileReport:
     per_rank: dict[str, list[float]] = field(default_factory=dict)
     profile_step: int | None = None
     module_depth: int = -1
+    sequence_parallel_size: int = 1  # Ulysses: ranks that split each sequence
+    tokens_per_rank: int | None = None  # with sp > 1: tokens of this rank's last micro-batch
     top_modules: int = 1
     detailed: bool = True
 
@@ -153,6 +155,9 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("data-parallel size", str(r.data_parallel_size)),
              _line("tensor-parallel size", str(r.tensor_parallel_size)),
              _line("pipeline-parallel size", str(r.pipeline_parallel_size)),
+             *([_line("sequence-parallel size (Ulysses)", f"{r.sequence_parallel_size}, "
+                      f"{r.tokens_per_rank} tokens per rank per micro-batch")]
+               if r.sequence_parallel_size > 1 else []),
              _line("ZeRO", r.zero_description),
              _line("params of the model", f"{si(r.params_total)} (shared parameters once)"),
              _line("params held by this rank at rest",

@@ -207,7 +207,7 @@ class StepProfiler:
             world_size=e.topology.world_size, data_parallel_size=e.topology.dp_size,
             tensor_parallel_size=e.topology.tp_size, pipeline_parallel_size=e.topology.pp_size,
             zero_stage=e.zero_stage, zero_description=describe_zero(
-                e.zero_stage, e.topology.dp_size, e.comm.size, e.topology.tp_size,
+                e.zero_stage, e.dp_comm.size, e.comm.size, e.topology.tp_size,
                 e.topology.pp_size),
             params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
@@ -229,6 +229,8 @@ class StepProfiler:
                           if k != "reserved_memory_bytes" or reserved is not None},
             transfers=e.transfer_report() if hasattr(e, "transfer_report") else None,
             per_rank=per_rank, profile_step=self.profile_step, module_depth=fcfg.module_depth,
+            sequence_parallel_size=e.topology.sp_size, tokens_per_rank=(
+                e.sequence_parallel.local_tokens if e.sequence_parallel else None),
             top_modules=fcfg.top_modules, detailed=fcfg.detailed, **UNSET_HEADLINE)
         return with_headline(report, profiled_s, [self.profile_step],
                              "the profiled step itself (no steady-state step measured yet)",
