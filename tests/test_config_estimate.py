@@ -33,7 +33,7 @@ BAD_CONFIGS = [
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
     ({"zero_optimization": {"stag": 1}}, "did you mean 'zero_optimization.stage'"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "is 'auto'"),
-    ({"optimizer": {"type": "Lamb"}}, "DeepSpeed optimizer meshzero does not implement"),
+    ({"optimizer": {"type": "OneBitLamb"}}, "DeepSpeed optimizer meshzero does not implement"),
 ]
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from meshzero.comm import CommStats, Communicator, broadcast_module
 from meshzero.config import Config
 from meshzero.faults import check_ranks_agree
-from meshzero.optim import build_optimizer
+from meshzero.optim import bind_to_shards, build_optimizer
 from meshzero.parallel.compose import (
     apply_tp,
     check_plan,
@@ -119,6 +119,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+    bind_to_shards(opt, zero.optim_state.fragment_norms)
     zero.attach_optimizer(opt)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),

@@ -4,7 +4,9 @@ The user's choice of optimizer, in DeepSpeed's order of precedence:
     * a ``torch.optim.Optimizer`` instance: rebuilt over fragments with the same class,
       defaults and per-group hyperparameters;
     * an optimizer class or a callable ``f(param_groups) -> Optimizer``;
-    * the config's ``optimizer`` block (Adam, AdamW, SGD).
+    * the config's ``optimizer`` block (Adam, AdamW, SGD, Lamb): torch.optim's classes, or
+      meshzero.optimizers' where torch cannot compute it (LAMB; Adam with
+      ``bias_correction: false``).
 Each fragment lands in the param group of the parameter it came from. On CPU the fused
 kernels are requested explicitly (``fused=None`` never picks them on CPU).
 """
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from meshzero.config import OptimizerConfig
+from meshzero.optimizers import DeepSpeedAdam, Lamb
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +83,20 @@ def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> boo
 
 def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     params = dict(cfg.validated_params())
-    # torch_adam (always torch.optim here) and bias_correction (only true is accepted: torch's
-    # Adam always corrects) ask for nothing more; adam_w_mode picks the class.
-    params.pop("torch_adam", None)
-    params.pop("bias_correction", None)
-    adam_w_mode = params.pop("adam_w_mode", True)
-    if cfg.type == "Adam":
-        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false;
-        # its "AdamW" decouples whatever adam_w_mode says.
-        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    else:
-        cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[cfg.type]
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    return cls, params
+    if cfg.type == "Lamb":
+        return Lamb, params
+    if cfg.type == "SGD":
+        return torch.optim.SGD, params
+    # torch_adam (torch.optim whenever it can compute the config) asks for nothing more.
+    # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false; its
+    # "AdamW" decouples whatever adam_w_mode says.
+    params.pop("torch_adam", None)
+    adam_w_mode = params.pop("adam_w_mode", True) or cfg.type == "AdamW"
+    if not params.pop("bias_correction", True):  # torch's Adam always corrects
+        return DeepSpeedAdam, dict(params, adam_w_mode=adam_w_mode, bias_correction=False)
+    return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), params
 
 
 def build_optimizer(
@@ -151,3 +154,11 @@ def _call_user_factory(factory: Callable, groups: list[dict[str, Any]]) -> torch
         raise ValueError(f"optimizer callable returned {type(opt).__name__}, not a "
                          "torch.optim.Optimizer")
     return opt
+
+
+def bind_to_shards(optimizer: torch.optim.Optimizer, fragment_norms: Callable[[], Any]) -> None:
+    """An optimizer that needs whole-parameter norms (LAMB's trust ratio) learns which
+    fragments make up each parameter and how to sum over the ranks holding the others
+    (``fragment_norms``: ZeRO's ``ShardedOptimizerState.fragment_norms``)."""
+    if isinstance(optimizer, Lamb):
+        optimizer.bind_fragments(fragment_norms())

@@ -21,7 +21,7 @@ from meshzero.config.monitor import (
     TensorBoardConfig,
     WandbConfig,
 )
-from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
+from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig, optimizer_problems
 from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
@@ -79,6 +79,9 @@ class Config(BaseModel):
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
         problems += _mesh_problems(self)
+        problems += optimizer_problems(
+            self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
+            offload_optimizer=self.zero_optimization.offload_optimizer.device)
         if problems:
             raise ValueError("\n".join(problems))
         return self

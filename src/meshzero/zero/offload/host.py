@@ -25,7 +25,7 @@ from meshzero.zero.offload.stepping import (
     step_subset,
     subsets_by_group,
 )
-from meshzero.zero.offload.tier import Tier, host_copy, host_zeros
+from meshzero.zero.offload.tier import Tier, elementwise, host_copy, host_zeros
 
 if TYPE_CHECKING:
     from meshzero.zero.flat_buffer import FlatGroup
@@ -108,6 +108,8 @@ class HostTier(Tier):
                 "engine.step(): with offload_optimizer cpu each unit is stepped during the "
                 "boundary backward, so its gradients are final then; call backward once per "
                 "micro-step, or set engine.overlap_offload_step = False")
+        if not elementwise(self.optimizer):  # a step needs every unit's gradients
+            step_scale = None
         self._step_scale = step_scale if boundary else None
         if boundary:
             self._stepped, self._refused = 0, 0

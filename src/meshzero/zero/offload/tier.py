@@ -96,6 +96,13 @@ def placeholder(numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = 
     return t.view(shape) if shape is not None else t
 
 
+def elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping a subset of the leaves gives each the update a step over all of them
+    would (torch's optimizers; not LAMB, whose trust ratio needs whole-parameter norms), so a
+    tier may step units, chunks or tiles apart."""
+    return getattr(optimizer, "elementwise", True)
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -186,6 +193,8 @@ class Tier(ABC):
         self.optimizer = optimizer
         numel = self.split_numel()
         if numel is not None:
+            if not elementwise(optimizer):  # one step over every leaf: one chunk of all
+                numel = max(self.optim_state.space_numel, 1)
             self.chunks = plan_chunks(optimizer, self.optim_state.grad_views, numel)
 
     # -- gradients and the step ----------------------------------------------------------------
