@@ -153,3 +153,29 @@ def test_lamb_config_params_and_refusals():
     with pytest.raises(ValueError, match=r"offload_optimizer\.device = 'nvme'"):
         load_config({"optimizer": {"type": "Lamb"}, "zero_optimization": {
             "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
+
+
+def _train_bf16(rank: int, world_size: int, runs: list) -> dict:
+    out = {}
+    for run in runs:
+        r = train(rank, world_size, "mlp", dict(_config(*run), bf16={"enabled": True}), STEPS)
+        out[run] = (r.params, r.comm.get("optimizer_norms", {}).get("count", 0))
+    return out
+
+
+def test_lamb_on_bf16_gradient_shards(tmp_path):
+    """bf16 gradients (converted for one step over every fragment, on the device and the
+    host tier): within bf16 tolerance of the reference, one norm all-reduce per step."""
+    params: dict = {}
+
+    def make(ps):
+        return ReferenceLamb(ps, **LAMB, **params)
+
+    ref = reference_train(lambda: build_model("mlp", 0), make_batches("mlp", STEPS, 8),
+                          optimizer=make, dtype=torch.bfloat16)
+    results = run_distributed(_train_bf16, 2, tmp_path, [(0, "none"), (2, "none"), (3, "cpu")])
+    for per_rank in results:
+        for run, (got, norm_reduces) in per_rank.items():
+            assert norm_reduces == (0 if run[0] == 0 else 1), run
+            for name, want in ref.params.items():
+                torch.testing.assert_close(got[name], want, rtol=2e-2, atol=2e-3)
