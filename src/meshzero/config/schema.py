@@ -22,7 +22,12 @@ from meshzero.config.monitor import (
     WandbConfig,
 )
 from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig, optimizer_problems
-from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
+from meshzero.config.precision import (
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    TorchAutocastConfig,
+)
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
 from meshzero.config.zero import ZeroConfig
@@ -41,6 +46,7 @@ class Config(BaseModel):
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     gradient_clipping: NonNegFloat = 0.0
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     prescale_gradients: Bool = False
@@ -70,6 +76,7 @@ class Config(BaseModel):
                                   self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        problems += _autocast_problems(self)
         if self.data_types.grad_accum_dtype == "fp16" and not self.fp16.enabled:
             problems.append("data_types.grad_accum_dtype = 'fp16' needs fp16.enabled: without "
                             "fp16's loss scaling and overflow check, fp16 gradients underflow "
@@ -170,4 +177,18 @@ def _mesh_problems(config: Config) -> list[str]:
         problems.append(f"pipeline_parallel.micro_batches ({pp.micro_batches}) != "
                         f"gradient_accumulation_steps ({gas}): with pipelining the micro-batches "
                         "of one step are the accumulation steps; give one of them")
+    return problems
+
+
+def _autocast_problems(config: Config) -> list[str]:
+    """torch_autocast computes in bf16 from fp32 parameters; fp16/bf16 training keeps 16-bit
+    parameters: one or the other, as in DeepSpeed."""
+    if not config.torch_autocast.enabled:
+        return []
+    both = [f"{key}.enabled" for key in ("fp16", "bf16") if getattr(config, key).enabled]
+    problems = [f"torch_autocast.enabled and {key} are both true; enable one (torch_autocast "
+                "keeps fp32 parameters, fp16/bf16 make them 16-bit)" for key in both]
+    if config.pipeline_parallel.size > 1:
+        problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
+                        "supported yet: the pipeline's stages run outside the autocast region")
     return problems

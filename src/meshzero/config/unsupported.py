@@ -9,7 +9,6 @@ An unknown-key error for one of these says so instead of suggesting the nearest 
 # model) when the feature lands.
 UNSUPPORTED_KEYS: dict[str, str] = {
     "amp": "NVIDIA apex AMP; use bf16 or fp16",
-    "torch_autocast": "torch.autocast integration; use bf16 or fp16",
     "elasticity": "elastic training changes the batch size",
     "autotuning": "autotuner",
     "compression_training": "compression library",
