@@ -118,7 +118,8 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     opt = build_optimizer(
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
-        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
+        bf16_states=config.bf16.bf16_optimizer_states)
     bind_to_shards(opt, zero.optim_state.fragment_norms)
     zero.attach_optimizer(opt)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,

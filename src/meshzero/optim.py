@@ -81,7 +81,8 @@ def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> boo
     return device.type in ("cpu", "cuda")
 
 
-def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def _from_config(cfg: OptimizerConfig, bf16_states: bool = False,
+                 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     params = dict(cfg.validated_params())
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
@@ -94,8 +95,10 @@ def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dic
     # "AdamW" decouples whatever adam_w_mode says.
     params.pop("torch_adam", None)
     adam_w_mode = params.pop("adam_w_mode", True) or cfg.type == "AdamW"
-    if not params.pop("bias_correction", True):  # torch's Adam always corrects
-        return DeepSpeedAdam, dict(params, adam_w_mode=adam_w_mode, bias_correction=False)
+    correct = params.pop("bias_correction", True)
+    if not correct or bf16_states:  # torch's Adam always corrects, keeps fp32 states
+        return DeepSpeedAdam, dict(params, adam_w_mode=adam_w_mode, bias_correction=correct,
+                                   state_dtype=torch.bfloat16 if bf16_states else torch.float32)
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), params
 
 
@@ -107,10 +110,16 @@ def build_optimizer(
     optimizer: torch.optim.Optimizer | type | Callable | None = None,
     model_parameters: Iterable[Any] | None = None,
     config: OptimizerConfig | None = None,
+    bf16_states: bool = False,
 ) -> torch.optim.Optimizer:
+    """``bf16_states`` (bf16.bf16_optimizer_states): the config's Adam keeps m and v in bf16."""
     if optimizer is not None and config is not None:
         raise ValueError("both an optimizer argument and the config key 'optimizer' are given; "
                          "pass one of them")
+    if bf16_states and config is None:
+        raise ValueError("bf16.bf16_optimizer_states applies to the config's optimizer block "
+                         "(type Adam or AdamW); an optimizer passed to initialize keeps its "
+                         "own state dtype: set the block, or drop the key")
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls, kwargs = type(optimizer), dict(optimizer.defaults)
@@ -123,7 +132,7 @@ def build_optimizer(
             if config is None:
                 raise ValueError("no optimizer: pass optimizer= to initialize() or set the "
                                  "config key 'optimizer'")
-            cls, kwargs = _from_config(config)
+            cls, kwargs = _from_config(config, bf16_states)
         else:
             return _call_user_factory(optimizer, _fragment_groups(groups, fragments))
     frag_groups = _fragment_groups(groups, fragments)

@@ -207,10 +207,16 @@ class SchedulerConfig(_TypedSection):
 
 
 def optimizer_problems(optimizer: OptimizerConfig | None, *, tp_size: int, pp_size: int,
-                       offload_optimizer: str) -> list[str]:
-    """What the chosen optimizer cannot run with. LAMB's trust ratio needs each parameter's
-    whole norm: summed over ZeRO's shards, but not (yet) over tensor-parallel slices or
-    pipeline stages, nor over NVMe tiles stepped one at a time."""
+                       offload_optimizer: str, bf16_states: bool = False) -> list[str]:
+    """What the chosen optimizer cannot run with. bf16 states are Adam's m and v. LAMB's
+    trust ratio needs each parameter's whole norm: summed over ZeRO's shards, but not (yet)
+    over tensor-parallel slices or pipeline stages, nor over NVMe tiles stepped apart."""
+    if bf16_states and optimizer is not None and optimizer.type not in ("Adam", "AdamW"):
+        return [f"bf16.bf16_optimizer_states with optimizer.type {optimizer.type!r} is not "
+                "supported: it keeps Adam's m and v in bf16; use type Adam or AdamW"]
+    if bf16_states and optimizer is not None and optimizer.params.get("amsgrad"):
+        return ["bf16.bf16_optimizer_states with optimizer.params.amsgrad true is not "
+                "supported (DeepSpeed's Adam has no AMSGrad); drop one of them"]
     if optimizer is None or optimizer.type != "Lamb":
         return []
     clashes = [f"{key} = {value}" for key, value, bad in (

@@ -27,7 +27,11 @@ class FP16Config(Section):
 
 
 class BF16Config(Section):
+    """`bf16`: bf16 compute with an fp32 master; bf16_optimizer_states keeps Adam's m and v
+    in bf16 (2 + 2 bytes per element instead of 4 + 4; the arithmetic stays fp32)."""
+
     enabled: Bool = False
+    bf16_optimizer_states: Bool = False
 
 
 class DataTypesConfig(Section):

@@ -88,7 +88,8 @@ class Config(BaseModel):
         problems += _mesh_problems(self)
         problems += optimizer_problems(
             self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
-            offload_optimizer=self.zero_optimization.offload_optimizer.device)
+            offload_optimizer=self.zero_optimization.offload_optimizer.device,
+            bf16_states=self.bf16.bf16_optimizer_states)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -257,10 +257,12 @@ class Settings:
 
     @property
     def state_bytes_per_element(self) -> int:
-        """fp32 optimizer-state bytes per owned element: Adam m, v (+ max v with amsgrad)."""
+        """Optimizer-state bytes per owned element: Adam's (and LAMB's) m, v (+ max v with
+        amsgrad), fp32 or with bf16.bf16_optimizer_states bf16; SGD's momentum."""
         if self.optimizer == "SGD":
             return 4 if self.momentum > 0 else 0
-        return 4 * (3 if self.amsgrad else 2)
+        state_bytes = 2 if self.config.bf16.bf16_optimizer_states else 4
+        return state_bytes * (3 if self.amsgrad else 2)
 
     @property
     def state_bytes_per_fragment(self) -> int:

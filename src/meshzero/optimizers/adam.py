@@ -29,13 +29,14 @@ class DeepSpeedAdam(torch.optim.Optimizer):
     """Adam with DeepSpeed's ``adam_w_mode`` and ``bias_correction`` switches (module doc).
 
     State per parameter, as torch's Adam keeps it: ``step`` (a float32 scalar tensor),
-    ``exp_avg`` (m) and ``exp_avg_sq`` (v), so checkpoints and offload tiers treat both alike.
+    ``exp_avg`` (m) and ``exp_avg_sq`` (v), so checkpoints and offload tiers treat both alike;
+    m and v in ``state_dtype`` (bf16: ``bf16.bf16_optimizer_states``), computed in fp32.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, adam_w_mode: bool = True,
-                 bias_correction: bool = True) -> None:
+                 bias_correction: bool = True, state_dtype: torch.dtype = torch.float32) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"DeepSpeedAdam: invalid lr {lr}, eps {eps}, weight_decay "
                              f"{weight_decay} or betas {betas}; need lr, eps > 0, "
@@ -43,6 +44,7 @@ class DeepSpeedAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
+        self.state_dtype = state_dtype  # not a group value: checkpoints keep groups plain
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -62,16 +64,20 @@ class DeepSpeedAdam(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
         state["step"] += 1
-        m, v = state["exp_avg"], state["exp_avg_sq"]
         g = p.grad
         assert g is not None  # step() takes only tensors with a gradient
+        # 16-bit states: the arithmetic in fp32, the result rounded once into the state
+        m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
         if wd != 0 and not group["adam_w_mode"]:
             g = g.add(p, alpha=wd)
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if m.data_ptr() != state["exp_avg"].data_ptr():
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].copy_(v)
         bc1, bc2 = 1.0, 1.0
         if group["bias_correction"]:
             t = float(state["step"])
