@@ -14,7 +14,7 @@ from meshzero.config import load_config
 from meshzero.estimate import Estimator, load_model, settings_from_config
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, train, zero_config
-from tests.models import build_model, make_batches, reference_train
+from tests.models import build_model, make_batches, mlp_loss, reference_train
 
 STEPS = 4
 LR, WD = 1e-2, 0.01
@@ -63,6 +63,11 @@ def _max_diff(got: dict, want: dict) -> float:
     return max(float((got[n] - w).abs().max()) for n, w in want.items())
 
 
+def _mean_diff(got: dict, want: dict) -> float:
+    diffs = torch.cat([(got[n] - w).abs().flatten() for n, w in want.items()])
+    return float(diffs.mean())
+
+
 # W = 2 by default; every world size with -m slow
 @pytest.mark.parametrize("world_size", [
     pytest.param(1, marks=pytest.mark.slow),
@@ -102,3 +107,84 @@ def test_bf16_states_config():
     with pytest.raises(ValueError, match=r"bf16\.bf16_optimizer_states.*amsgrad"):
         load_config({"bf16": {"bf16_optimizer_states": True},
                      "optimizer": {"type": "Adam", "params": {"amsgrad": True}}})
+    masters = {"bf16_master_weights_and_grads": True}
+    assert load_config({"bf16": {"enabled": True, **masters}}).master_dtype == torch.bfloat16
+    for extra, words in (
+            ({"bf16": masters}, "needs bf16.enabled"),
+            ({"data_types": {"grad_accum_dtype": "fp32"}}, "grad_accum_dtype is 'fp32'"),
+            ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "'SGD'"),
+            ({"zero_optimization": {"stage": 2, "offload_optimizer": {
+                "device": "nvme", "nvme_path": "/tmp"}}}, "'nvme' is not supported")):
+        with pytest.raises(ValueError, match=r"bf16\.bf16_master_weights_and_grads.*" + words):
+            load_config({"bf16": {"enabled": True, **masters}, **extra})
+
+
+class Bf16MasterAdamW(torch.optim.Optimizer):
+    """AdamW on bf16 parameters with bf16 gradients: fp32 arithmetic and fp32 m and v, the
+    new parameter rounded once to bf16."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in (p for g in self.param_groups for p in g["params"]):
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p, dtype=torch.float32),
+                             v=torch.zeros_like(p, dtype=torch.float32))
+            state["t"] += 1
+            t, w, g = state["t"], p.float(), p.grad.float()
+            state["m"] = m = 0.9 * state["m"] + 0.1 * g
+            state["v"] = v = 0.999 * state["v"] + 0.001 * g * g
+            w -= LR * ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + ADAM_EPS) + WD * w)
+            p.copy_(w)
+
+
+def _bf16_master_reference() -> dict[str, torch.Tensor]:
+    """The whole model in bf16 (parameters are the master), gradients bf16, one process."""
+    model = build_model("mlp", 0).to(torch.bfloat16)
+    opt = Bf16MasterAdamW(model.parameters())
+    for x, y in make_batches("mlp", STEPS, 8):
+        mlp_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {name: p.detach().float() for name, p in model.named_parameters()}
+
+
+def _master_config(stage: int, offload: str) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": offload}}
+    return zero_config(stage, global_batch=8, zero_optimization=zero,
+                       bf16={"enabled": True, "bf16_master_weights_and_grads": True})
+
+
+def _train_masters(rank: int, world_size: int, runs: list) -> dict:
+    out = {}
+    for run in runs:
+        result = train(rank, world_size, "mlp", _master_config(*run), STEPS)
+        out[run] = (result.params, result.memory)
+    return out
+
+
+def test_bf16_masters_and_grads(tmp_path):
+    """bf16 masters (the parameters themselves on the device tier) stepped on bf16
+    gradients: bf16 training, 2 + 2 + 8 bytes per element, counted by the estimator."""
+    ref = _bf16_master_reference()
+    fp32_master = reference_train(lambda: build_model("mlp", 0), make_batches("mlp", STEPS, 8),
+                                  eps=ADAM_EPS, dtype=torch.bfloat16).params
+    runs = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu")]
+    world_size = 2
+    results = run_distributed(_train_masters, world_size, tmp_path, runs, timeout=300)
+    estimator = Estimator(load_model(functools.partial(build_model, "mlp")))
+    for rank, per_rank in enumerate(results):
+        for run, (params, memory) in per_rank.items():
+            # within a bf16 rounding of the reference, far nearer it than fp32 masters are
+            for name, want in ref.items():
+                torch.testing.assert_close(params[name], want, rtol=1e-2, atol=4e-3)
+            assert _mean_diff(params, ref) < _mean_diff(fp32_master, ref) / 4, run
+            settings = settings_from_config(_master_config(*run), world_size)
+            want = estimator.states(settings, world_size).report(rank)
+            assert want == {k: memory[k] for k in want}, (run, rank)
+            if run[1] == "none":  # the bf16 parameters are the master: no copy
+                assert sum(memory["master_params"].values()) == 0

@@ -119,7 +119,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
-        bf16_states=config.bf16.bf16_optimizer_states)
+        bf16=config.bf16)
     bind_to_shards(opt, zero.optim_state.fragment_norms)
     zero.attach_optimizer(opt)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
@@ -208,6 +208,7 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         compute_dtype=config.compute_dtype,
         comm_dtype=config.reduce_dtype,
         grad_dtype=config.grad_dtype,
+        master_dtype=config.master_dtype,
         unit_classes=zc.unit_classes,
         persistence_threshold=zc.stage3_param_persistence_threshold,
         reduce_bucket_numel=zc.reduce_bucket_size,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from meshzero.config import OptimizerConfig
+from meshzero.config.precision import BF16Config
 from meshzero.optimizers import DeepSpeedAdam, Lamb
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> boo
     return device.type in ("cpu", "cuda")
 
 
-def _from_config(cfg: OptimizerConfig, bf16_states: bool = False,
+def _from_config(cfg: OptimizerConfig, bf16: BF16Config | None = None,
                  ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     params = dict(cfg.validated_params())
     if "betas" in params:
@@ -96,7 +97,10 @@ def _from_config(cfg: OptimizerConfig, bf16_states: bool = False,
     params.pop("torch_adam", None)
     adam_w_mode = params.pop("adam_w_mode", True) or cfg.type == "AdamW"
     correct = params.pop("bias_correction", True)
-    if not correct or bf16_states:  # torch's Adam always corrects, keeps fp32 states
+    bf16_states = bf16 is not None and bf16.bf16_optimizer_states
+    bf16_master = bf16 is not None and bf16.bf16_master_weights_and_grads
+    # torch's Adam always corrects, keeps states in the parameters' dtype and computes in it
+    if not correct or bf16_states or bf16_master:
         return DeepSpeedAdam, dict(params, adam_w_mode=adam_w_mode, bias_correction=correct,
                                    state_dtype=torch.bfloat16 if bf16_states else torch.float32)
     return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), params
@@ -110,16 +114,19 @@ def build_optimizer(
     optimizer: torch.optim.Optimizer | type | Callable | None = None,
     model_parameters: Iterable[Any] | None = None,
     config: OptimizerConfig | None = None,
-    bf16_states: bool = False,
+    bf16: BF16Config | None = None,
 ) -> torch.optim.Optimizer:
-    """``bf16_states`` (bf16.bf16_optimizer_states): the config's Adam keeps m and v in bf16."""
+    """``bf16``: with bf16_optimizer_states the config's Adam keeps m and v in bf16, with
+    bf16_master_weights_and_grads it steps bf16 masters in fp32 arithmetic."""
     if optimizer is not None and config is not None:
         raise ValueError("both an optimizer argument and the config key 'optimizer' are given; "
                          "pass one of them")
-    if bf16_states and config is None:
-        raise ValueError("bf16.bf16_optimizer_states applies to the config's optimizer block "
-                         "(type Adam or AdamW); an optimizer passed to initialize keeps its "
-                         "own state dtype: set the block, or drop the key")
+    wanted = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads")
+              if bf16 is not None and getattr(bf16, k)]
+    if wanted and config is None:
+        raise ValueError(f"bf16.{wanted[0]} applies to the config's optimizer block (type "
+                         "Adam or AdamW); an optimizer passed to initialize keeps its own "
+                         "arithmetic: set the block, or drop the key")
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls, kwargs = type(optimizer), dict(optimizer.defaults)
@@ -132,7 +139,7 @@ def build_optimizer(
             if config is None:
                 raise ValueError("no optimizer: pass optimizer= to initialize() or set the "
                                  "config key 'optimizer'")
-            cls, kwargs = _from_config(config, bf16_states)
+            cls, kwargs = _from_config(config, bf16)
         else:
             return _call_user_factory(optimizer, _fragment_groups(groups, fragments))
     frag_groups = _fragment_groups(groups, fragments)

@@ -28,10 +28,13 @@ class FP16Config(Section):
 
 class BF16Config(Section):
     """`bf16`: bf16 compute with an fp32 master; bf16_optimizer_states keeps Adam's m and v
-    in bf16 (2 + 2 bytes per element instead of 4 + 4; the arithmetic stays fp32)."""
+    in bf16 (2 + 2 bytes per element instead of 4 + 4; the arithmetic stays fp32);
+    bf16_master_weights_and_grads keeps the master and the gradients in bf16 (the compute
+    parameters are then the master, as in fp32 training)."""
 
     enabled: Bool = False
     bf16_optimizer_states: Bool = False
+    bf16_master_weights_and_grads: Bool = False
 
 
 class DataTypesConfig(Section):

@@ -76,7 +76,7 @@ class Config(BaseModel):
                                   self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
-        problems += _autocast_problems(self)
+        problems += _autocast_problems(self) + _bf16_master_problems(self)
         if self.data_types.grad_accum_dtype == "fp16" and not self.fp16.enabled:
             problems.append("data_types.grad_accum_dtype = 'fp16' needs fp16.enabled: without "
                             "fp16's loss scaling and overflow check, fp16 gradients underflow "
@@ -130,6 +130,11 @@ class Config(BaseModel):
         if self.fp16.enabled:
             return torch.float16
         return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The master's dtype: bf16 with bf16.bf16_master_weights_and_grads, else fp32."""
+        return torch.bfloat16 if self.bf16.bf16_master_weights_and_grads else torch.float32
 
     @property
     def communication_dtype(self) -> torch.dtype | None:
@@ -192,4 +197,26 @@ def _autocast_problems(config: Config) -> list[str]:
     if config.pipeline_parallel.size > 1:
         problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
                         "supported yet: the pipeline's stages run outside the autocast region")
+    return problems
+
+
+def _bf16_master_problems(config: Config) -> list[str]:
+    """bf16 masters are the bf16 compute parameters, stepped on bf16 gradients."""
+    if not config.bf16.bf16_master_weights_and_grads:
+        return []
+    key = "bf16.bf16_master_weights_and_grads"
+    problems = []
+    if not config.bf16.enabled:
+        problems.append(f"{key} needs bf16.enabled: the master is the bf16 parameters")
+    if config.data_types.grad_accum_dtype not in (None, "bf16"):
+        problems.append(f"{key} keeps gradients in bf16, but data_types.grad_accum_dtype is "
+                        f"{config.data_types.grad_accum_dtype!r}; drop one of them")
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        problems.append(f"{key} with offload_optimizer.device 'nvme' is not supported yet "
+                        "(the NVMe files hold an fp32 master); use 'cpu' or 'none'")
+    opt = config.optimizer
+    if opt is not None and (opt.type not in ("Adam", "AdamW") or opt.params.get("amsgrad")):
+        problems.append(f"{key} with optimizer.type {opt.type!r} (amsgrad "
+                        f"{bool(opt.params.get('amsgrad'))}) is not supported: meshzero steps "
+                        "bf16 masters with its own Adam (fp32 arithmetic); use Adam or AdamW")
     return problems

@@ -24,7 +24,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
     "tensor_parallel.autotp_size": "AutoTP needs the model to infer a plan: pass it to "
                                    "initialize, or give tensor_parallel.size and plan",

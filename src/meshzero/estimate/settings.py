@@ -248,10 +248,15 @@ class Settings:
         return PRECISIONS[self.grad_dtype]
 
     @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the master: 2 with bf16.bf16_master_weights_and_grads."""
+        return 2 if self.config.bf16.bf16_master_weights_and_grads else 4
+
+    @property
     def split_numel(self) -> int | None:
-        """In-memory 16-bit gradient shards: the longest optimizer leaf (the tier's
-        ``split_numel()``); None: leaves are whole fragments."""
-        if self.grad_bytes == 4 or self.offload_optimizer == "nvme":
+        """In-memory gradient shards not in the master's dtype: the longest optimizer leaf
+        (the tier's ``split_numel()``); None: leaves are whole fragments."""
+        if self.grad_bytes == self.master_bytes or self.offload_optimizer == "nvme":
             return None
         return chunk_numel(self.sub_group_size)
 

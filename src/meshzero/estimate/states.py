@@ -110,8 +110,8 @@ class ModelStates:
             if not g.requires_grad:
                 continue
             lo, hi = (0, g.padded_numel) if s.stage == 0 else g.shard_range(rank)
-            if s.compute_bytes != 4 or opt_tier != "device":
-                out["master_params"][opt_tier] += (hi - lo) * 4
+            if s.compute_bytes != s.master_bytes or opt_tier != "device":  # a master copy
+                out["master_params"][opt_tier] += (hi - lo) * s.master_bytes
             if s.stage <= 1:
                 out["grads"]["device"] += g.padded_numel * s.grad_bytes  # accumulation
             if s.stage >= 2 or opt_tier != "device":

@@ -69,10 +69,12 @@ class DeepSpeedAdam(torch.optim.Optimizer):
         state["step"] += 1
         g = p.grad
         assert g is not None  # step() takes only tensors with a gradient
-        # 16-bit states: the arithmetic in fp32, the result rounded once into the state
+        # 16-bit states or parameters (bf16 masters): the arithmetic in fp32, each result
+        # rounded once into its tensor
         m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+        w, g = p.float(), g.float()
         if wd != 0 and not group["adam_w_mode"]:
-            g = g.add(p, alpha=wd)
+            g = g.add(w, alpha=wd)
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         if m.data_ptr() != state["exp_avg"].data_ptr():
@@ -84,5 +86,7 @@ class DeepSpeedAdam(torch.optim.Optimizer):
             bc1, bc2 = 1 - b1**t, 1 - b2**t
         update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
         if wd != 0 and group["adam_w_mode"]:
-            update.add_(p, alpha=wd)
-        p.add_(update, alpha=-lr)
+            update.add_(w, alpha=wd)
+        w.add_(update, alpha=-lr)
+        if w.data_ptr() != p.data_ptr():
+            p.copy_(w)

@@ -78,7 +78,7 @@ class HostTier(Tier):
         self._unit_chunks: dict[int, list[Chunk]] = {}
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
-        return host_copy(init, self.options.pin_memory)
+        return host_copy(init, self.options.pin_memory, self.master_dtype)
 
     def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
         lo, hi = group.owned

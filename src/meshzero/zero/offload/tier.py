@@ -123,8 +123,10 @@ class Tier(ABC):
 
     def __init__(self, options: OffloadOptions, *, comm: Communicator, device: torch.device,
                  layout: Layout, stage: int, compute_dtype: torch.dtype,
-                 grad_dtype: torch.dtype = torch.float32):
-        """``grad_dtype``: the dtype of the gradient shard the tier keeps."""
+                 grad_dtype: torch.dtype = torch.float32,
+                 master_dtype: torch.dtype = torch.float32):
+        """``grad_dtype``: the dtype of the gradient shard the tier keeps; ``master_dtype``:
+        the master's (fp32, or bf16 with bf16.bf16_master_weights_and_grads)."""
         self.options = options
         self.comm = comm
         self.device = device
@@ -132,6 +134,7 @@ class Tier(ABC):
         self.stage = stage
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
+        self.master_dtype = master_dtype
         self.units: list[list[FlatGroup]] = []
         self.chunks: list[Chunk] | None = None  # 16-bit gradients: stepped chunk by chunk
 
@@ -175,7 +178,7 @@ class Tier(ABC):
         """With 16-bit gradient shards in memory: the most elements of one optimizer leaf
         (longer fragments are cut), so the step converts at most that much gradient to
         fp32 at once (stepping.py). None: fp32 gradients, leaves are whole fragments."""
-        if self.grad_dtype == torch.float32:
+        if self.grad_dtype == self.master_dtype:  # the gradient can be the leaves' .grad
             return None
         return chunk_numel(self.options.sub_group_size)
 
@@ -294,7 +297,7 @@ class Tier(ABC):
             return
         owned = g.owned[1] - g.owned[0]
         if g.master_is_copy:
-            report["master_params"][self.name] += owned * 4
+            report["master_params"][self.name] += owned * self.master_dtype.itemsize
         if g.stage <= 1:
             report["grads"]["device"] += _nbytes(g.grad_full)
         # on the device at stages 0-1 the shard is a view of grad_full, counted above
