@@ -91,13 +91,13 @@ class Settings:
 
     @property
     def precision(self) -> str:
-        """The compute dtype: fp32, bf16 or fp16 (the master is always fp32)."""
+        """The compute dtype: fp32, bf16 or fp16 (the master: ``master_bytes``)."""
         fp16, bf16 = self.config.fp16.enabled, self.config.bf16.enabled
         return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
     @property
     def optimizer(self) -> str:
-        """Adam (either mode), AdamW or SGD."""
+        """Adam (either mode), AdamW, SGD or Lamb (Adam's state bytes)."""
         opt = self.config.optimizer
         return ASSUMED_OPTIMIZER if opt is None else opt.type
 
