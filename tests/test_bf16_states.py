@@ -41,9 +41,12 @@ class Bf16StateAdamW(torch.optim.Optimizer):
             p -= LR * ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + ADAM_EPS) + WD * p)
 
 
-def _config(stage: int, offload: str = "none", **extra) -> dict:
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": offload}}
+def _config(stage: int, offload: str = "none", path: str | None = None, **extra) -> dict:
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0,
+                  "offload_optimizer": {"device": offload}}
+    if offload == "nvme":  # several tiles, fragments cut at their edges
+        zero["offload_optimizer"]["nvme_path"] = path
+        zero["sub_group_size"] = 300
     bf16 = {"enabled": False, "bf16_optimizer_states": True, **extra}
     return zero_config(stage, global_batch=8, zero_optimization=zero, bf16=bf16)
 
@@ -51,10 +54,10 @@ def _config(stage: int, offload: str = "none", **extra) -> dict:
 RUNS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (3, "cpu")]
 
 
-def _train_all(rank: int, world_size: int, runs: list) -> dict:
+def _train_all(rank: int, world_size: int, runs: list, path: str | None = None) -> dict:
     out = {}
     for run in runs:
-        result = train(rank, world_size, "tricky", _config(*run), STEPS)
+        result = train(rank, world_size, "tricky", _config(*run, path=path), STEPS)
         out[run] = (result.params, result.memory)
     return out
 
@@ -80,19 +83,22 @@ def test_bf16_states_equal_reference(tmp_path, world_size):
     fp32 = reference_train(lambda: build_model("tricky", 0), batches, eps=ADAM_EPS).params
     off_by = _max_diff(ref, fp32)  # what rounding the states changes
     assert off_by > 1e-4
-    results = run_distributed(_train_all, world_size, tmp_path, RUNS, timeout=300)
+    results = run_distributed(_train_all, world_size, tmp_path, RUNS, str(tmp_path),
+                              timeout=300)
     estimator = Estimator(load_model(functools.partial(build_model, "tricky")))
     for rank, per_rank in enumerate(results):
         for run, (params, memory) in per_rank.items():
             # summation order may flip a bf16 rounding of m or v: far below what it changes
             assert _max_diff(params, ref) < off_by / 20, (run, _max_diff(params, ref), off_by)
             states = sum(memory["optimizer_states"].values())
-            settings = settings_from_config(_config(*run), world_size, seq_len=6)
+            settings = settings_from_config(_config(*run, path=str(tmp_path)), world_size,
+                                            seq_len=6)
             want = estimator.states(settings, world_size).report(rank)
             assert want == {k: memory[k] for k in want}, (run, rank)
             # m and v at 2 bytes each (+ a 4-byte step per fragment)
             fp32_settings = settings_from_config(
-                _config(*run, bf16_optimizer_states=False), world_size, seq_len=6)
+                _config(*run, path=str(tmp_path), bf16_optimizer_states=False), world_size,
+                seq_len=6)
             fp32_states = estimator.states(fp32_settings, world_size).report(rank)
             assert sum(fp32_states["optimizer_states"].values()) > states
 
@@ -107,6 +113,9 @@ def test_bf16_states_config():
     with pytest.raises(ValueError, match=r"bf16\.bf16_optimizer_states.*amsgrad"):
         load_config({"bf16": {"bf16_optimizer_states": True},
                      "optimizer": {"type": "Adam", "params": {"amsgrad": True}}})
+    with pytest.raises(ValueError, match=r"bf16\.bf16_optimizer_states.*'nvme'"):
+        load_config({"bf16": {"bf16_optimizer_states": True}, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
     masters = {"bf16_master_weights_and_grads": True}
     assert load_config({"bf16": {"enabled": True, **masters}}).master_dtype == torch.bfloat16
     for extra, words in (

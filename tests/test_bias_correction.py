@@ -1,6 +1,6 @@
 """``optimizer.params.bias_correction: false`` (issue 25) for Adam and AdamW: the update
 DeepSpeed's fused and CPU Adam compute, m / (sqrt(v) + eps) with m and v uncorrected, at
-every stage and with CPU offload, against a one-process reference written here."""
+every stage and with CPU and NVMe offload, against a one-process reference written here."""
 
 from __future__ import annotations
 
@@ -44,12 +44,15 @@ def _reference(kind: str, decoupled: bool):
                            optimizer=lambda ps: UncorrectedAdam(ps, decoupled))
 
 
-def _config(kind: str, stage: int, offload: str) -> dict:
+def _config(kind: str, stage: int, offload: str, path: str | None = None) -> dict:
     params = {"lr": LR, "weight_decay": WD, "eps": ADAM_EPS, "bias_correction": False}
     if kind == "Adam":  # DeepSpeed's Adam with adam_w_mode false: L2 in the gradient
         params["adam_w_mode"] = False
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": offload}}
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0,
+                  "offload_optimizer": {"device": offload}}
+    if offload == "nvme":  # several tiles, fragments cut at their edges
+        zero["offload_optimizer"]["nvme_path"] = path
+        zero["sub_group_size"] = 300
     return zero_config(stage, global_batch=8, zero_optimization=zero,
                        optimizer={"type": kind, "params": params})
 
@@ -59,8 +62,9 @@ RUNS = [("AdamW", 0, "none"), ("AdamW", 1, "none"), ("AdamW", 2, "none"),
         ("AdamW", 3, "none"), ("AdamW", 3, "cpu"), ("Adam", 2, "none"), ("Adam", 2, "cpu")]
 
 
-def _train_all(rank: int, world_size: int, runs: list) -> dict:
-    return {run: train(rank, world_size, "tricky", _config(*run), STEPS).params for run in runs}
+def _train_all(rank: int, world_size: int, runs: list, path: str) -> dict:
+    return {run: train(rank, world_size, "tricky", _config(*run, path), STEPS).params
+            for run in runs}
 
 
 # W = 2 by default; every world size with -m slow
@@ -77,7 +81,9 @@ def test_uncorrected_adam_equals_reference(tmp_path, world_size):
             break
     else:
         pytest.fail("bias_correction false trains the same as true: the test means nothing")
-    results = run_distributed(_train_all, world_size, tmp_path, RUNS, timeout=300)
+    runs = RUNS + ([("AdamW", 3, "nvme")] if world_size == 2 else [])
+    results = run_distributed(_train_all, world_size, tmp_path, runs, str(tmp_path),
+                              timeout=300)
     for per_rank in results:
         for run, params in per_rank.items():
             for name, want in refs[run[0]].params.items():

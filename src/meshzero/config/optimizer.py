@@ -217,6 +217,10 @@ def optimizer_problems(optimizer: OptimizerConfig | None, *, tp_size: int, pp_si
     if bf16_states and optimizer is not None and optimizer.params.get("amsgrad"):
         return ["bf16.bf16_optimizer_states with optimizer.params.amsgrad true is not "
                 "supported (DeepSpeed's Adam has no AMSGrad); drop one of them"]
+    if bf16_states and offload_optimizer == "nvme":
+        return ["bf16.bf16_optimizer_states with zero_optimization.offload_optimizer.device "
+                "'nvme' is not supported yet (the NVMe files lay out fp32 states); use 'cpu' "
+                "or 'none'"]
     if optimizer is None or optimizer.type != "Lamb":
         return []
     clashes = [f"{key} = {value}" for key, value, bad in (
