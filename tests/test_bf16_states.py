@@ -197,3 +197,37 @@ def test_bf16_masters_and_grads(tmp_path):
             assert want == {k: memory[k] for k in want}, (run, rank)
             if run[1] == "none":  # the bf16 parameters are the master: no copy
                 assert sum(memory["master_params"].values()) == 0
+
+
+def _one_process(config: dict, optimizer=None) -> tuple[object, dict]:
+    """Two steps on one process; the engine and its full parameters."""
+    import meshzero
+
+    model = build_model("mlp", 0)
+    opt = optimizer(model) if optimizer is not None else None
+    engine, *_ = meshzero.initialize(model=model, optimizer=opt, config=config)
+    try:
+        for x, y in make_batches("mlp", 2, 8):
+            engine.backward(mlp_loss(engine(x).float(), y))
+            engine.step()
+        return engine.optimizer, engine.full_state_dict()
+    finally:
+        engine.close()
+
+
+def test_bf16_states_with_the_callers_adamw():
+    """A torch AdamW passed to initialize (as Hugging Face's Trainer does when the config has
+    no optimizer block) is rebuilt with bf16 states: the same result as the config's AdamW."""
+    from meshzero.optimizers import DeepSpeedAdam
+
+    base = {"train_batch_size": 8, "bf16": {"bf16_optimizer_states": True}}
+    adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": ADAM_EPS}}
+    opt, by_config = _one_process({**base, "optimizer": adamw})
+    theirs, by_caller = _one_process(base, lambda m: torch.optim.AdamW(
+        m.parameters(), lr=LR, weight_decay=WD, eps=ADAM_EPS))
+    assert isinstance(theirs, DeepSpeedAdam)
+    assert {s["exp_avg"].dtype for s in theirs.state.values()} == {torch.bfloat16}
+    for name, want in by_config.items():
+        assert torch.equal(by_caller[name], want), name
+    with pytest.raises(ValueError, match=r"bf16\.bf16_optimizer_states needs an Adam.*SGD"):
+        _one_process(base, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))

@@ -116,17 +116,41 @@ def build_optimizer(
     config: OptimizerConfig | None = None,
     bf16: BF16Config | None = None,
 ) -> torch.optim.Optimizer:
-    """``bf16``: with bf16_optimizer_states the config's Adam keeps m and v in bf16, with
-    bf16_master_weights_and_grads it steps bf16 masters in fp32 arithmetic."""
+    """``bf16``: with bf16_optimizer_states Adam keeps m and v in bf16, with
+    bf16_master_weights_and_grads it steps bf16 masters in fp32 arithmetic (the config's
+    Adam is built so; a torch Adam/AdamW the caller chose is rebuilt so)."""
     if optimizer is not None and config is not None:
         raise ValueError("both an optimizer argument and the config key 'optimizer' are given; "
                          "pass one of them")
+    opt = _build(model, fragments, device, optimizer, model_parameters, config, bf16)
     wanted = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads")
               if bf16 is not None and getattr(bf16, k)]
-    if wanted and config is None:
-        raise ValueError(f"bf16.{wanted[0]} applies to the config's optimizer block (type "
-                         "Adam or AdamW); an optimizer passed to initialize keeps its own "
-                         "arithmetic: set the block, or drop the key")
+    if not wanted or isinstance(opt, DeepSpeedAdam):
+        return opt
+    return _as_deepspeed_adam(opt, f"bf16.{wanted[0]}",
+                              torch.bfloat16 if "bf16_optimizer_states" in wanted
+                              else torch.float32)
+
+
+def _as_deepspeed_adam(opt: torch.optim.Optimizer, key: str,
+                       state_dtype: torch.dtype) -> DeepSpeedAdam:
+    """The caller's torch Adam or AdamW rebuilt as DeepSpeedAdam over the same groups and
+    hyperparameters (nothing stepped yet: there is no state to carry)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+            g.get("amsgrad") for g in opt.param_groups):
+        raise ValueError(f"{key} needs an Adam or AdamW optimizer (no amsgrad): meshzero keeps "
+                         f"those in bf16 with its own Adam; got {type(opt).__name__}")
+    decoupled = type(opt) is torch.optim.AdamW
+    groups = [{"params": g["params"], "lr": float(g["lr"]), "betas": tuple(g["betas"]),
+               "eps": g["eps"], "weight_decay": g["weight_decay"],
+               "adam_w_mode": decoupled or bool(g.get("decoupled_weight_decay"))}
+              for g in opt.param_groups]
+    return DeepSpeedAdam(groups, state_dtype=state_dtype)
+
+
+def _build(model: nn.Module, fragments: dict[nn.Parameter, list[nn.Parameter]],
+           device: torch.device, optimizer: Any, model_parameters: Iterable[Any] | None,
+           config: OptimizerConfig | None, bf16: BF16Config | None) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls, kwargs = type(optimizer), dict(optimizer.defaults)
