@@ -179,3 +179,22 @@ def test_lamb_on_bf16_gradient_shards(tmp_path):
             assert norm_reduces == (0 if run[0] == 0 else 1), run
             for name, want in ref.params.items():
                 torch.testing.assert_close(got[name], want, rtol=2e-2, atol=2e-3)
+
+
+def test_a_lamb_the_caller_built_is_rebuilt_over_fragments():
+    """optimizer=Lamb(...) passed to initialize: rebuilt over ZeRO's fragments with its
+    hyperparameters and bound to their whole-parameter norms."""
+    import meshzero
+
+    model = build_model("mlp", 0)
+    lamb = Lamb(model.parameters(), lr=3e-3, max_coeff=0.7, eps_inside_sqrt=True)
+    engine, opt, *_ = meshzero.initialize(model=model, optimizer=lamb, config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}})
+    try:
+        assert isinstance(opt, Lamb) and opt is not lamb and opt.fragment_norms is not None
+        assert opt.defaults["max_coeff"] == 0.7 and opt.defaults["eps_inside_sqrt"]
+        x, y = make_batches("mlp", 1, 8)[0]
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        assert engine.step()
+    finally:
+        engine.close()
