@@ -190,7 +190,7 @@ def reference_train(
     model_factory: Callable[[], nn.Module],
     batches: list[Batch],
     *,
-    optimizer: str = "AdamW",
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "AdamW",
     lr: float = 1e-2,
     weight_decay: float = 0.01,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -271,7 +271,7 @@ def _accumulate_into_master(compute: nn.Module, master: nn.Module) -> None:
 
 
 def _make_optimizer(
-    name: str,
+    name: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     params: list[nn.Parameter],
     *,
     lr: float,
@@ -281,6 +281,8 @@ def _make_optimizer(
     momentum: float,
 ) -> torch.optim.Optimizer:
     plain = {"foreach": False, "fused": False}
+    if callable(name):  # a test's own reference optimizer: params -> Optimizer
+        return name(params)
     if name in ("AdamW", "Adam"):
         cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **plain)

@@ -448,6 +448,33 @@ AUTOTP_ALONE: dict[str, dict] = {
         "wall_clock_breakdown": F},
 }
 
+# issue 25: LAMB, bias_correction false, torch_autocast and bf16 states/masters now load
+# ("written here": not one project's file, the keys as DeepSpeed documents them)
+LOADS.update({
+    "DeepSpeed docs tutorials/bert-pretraining (Lamb, fp16)": {
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+        "prescale_gradients": F, "optimizer": {"type": "Lamb", "params": {
+            "lr": 11e-3, "weight_decay": 0.01, "bias_correction": F, "max_coeff": 0.3,
+            "min_coeff": 0.01}},
+        "gradient_clipping": 1.0, "wall_clock_breakdown": F,
+        "fp16": {"enabled": T, "loss_scale": 0}},
+    "written here: Adam with bias_correction false (the BERT-era setting), CPU offload": {
+        "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {
+            "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01,
+            "bias_correction": F}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "DeepSpeed docs torch_autocast (bfloat16, safe modules)": {
+        "train_batch_size": 8, "torch_autocast": {
+            "enabled": T, "dtype": "bfloat16",
+            "lower_precision_safe_modules": ["torch.nn.Linear", "torch.nn.Conv2d"]},
+        "zero_optimization": {"stage": 3}},
+    "written here: bf16 with DeepSpeed's bf16_optimizer_states and master keys": {
+        "train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": T, "bf16_optimizer_states": T,
+                 "bf16_master_weights_and_grads": T},
+        "zero_optimization": {"stage": 2}},
+})
+
 # AutoTP: loads (tp 2 over the plan inferred for the model); at world size 1 it cannot run,
 # as in DeepSpeed, and initialize says so naming tensor_parallel.size.
 AUTOTP = ("LLaMA-Factory examples/deepspeed/ds_z2_autotp_config.json", {

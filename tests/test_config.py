@@ -95,10 +95,10 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     # optimizer and scheduler types
     (
         ("optimizer", "type"),
-        "Lamb",
-        ("optimizer.type", "'Lamb' is a DeepSpeed optimizer", "valid: Adam, AdamW, SGD"),
+        "OneBitLamb",
+        ("optimizer.type", "'OneBitLamb' is a DeepSpeed optimizer", "valid: Adam, AdamW, SGD"),
     ),
-    (("optimizer", "type"), "RMSprop", ("optimizer.type", "valid: Adam, AdamW, SGD")),
+    (("optimizer", "type"), "RMSprop", ("optimizer.type", "valid: Adam, AdamW, SGD, Lamb")),
     (("scheduler", "type"), "OneCycle", ("scheduler.type", "WarmupCosineLR")),
     # "auto" where neither Hugging Face nor Accelerate fill it, at several depths
     (("seed",), "auto", ("'seed'", AUTO)),
@@ -140,8 +140,8 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     (("data_types",), {"grad_accum_dtype": "fp8"}, ("data_types.grad_accum_dtype", "'fp8'")),
     (("data_types",), {"grad_accum_dtype": "fp16"}, ("data_types.grad_accum_dtype",
                                                      "fp16.enabled")),
-    (("optimizer", "params", "bias_correction"), False,
-     ("optimizer.params.bias_correction = false", "always correct")),
+    (("optimizer", "params", "bias_correction"), "no",
+     ("optimizer.params.bias_correction = 'no'",)),
     (("zero_optimization", "max_live_parameters"), "many",
      ("zero_optimization.stage3_max_live_parameters = 'many'",)),
 ]

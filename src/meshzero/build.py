@@ -30,7 +30,7 @@ from torch import nn
 from meshzero.comm import CommStats, Communicator, broadcast_module
 from meshzero.config import Config
 from meshzero.faults import check_ranks_agree
-from meshzero.optim import build_optimizer
+from meshzero.optim import bind_to_shards, build_optimizer
 from meshzero.parallel.compose import (
     apply_tp,
     check_plan,
@@ -125,7 +125,9 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     opt = build_optimizer(
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
-        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
+        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
+        bf16=config.bf16)
+    bind_to_shards(opt, zero.optim_state.fragment_norms)
     zero.attach_optimizer(opt)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
@@ -228,6 +230,7 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         compute_dtype=config.compute_dtype,
         comm_dtype=config.reduce_dtype,
         grad_dtype=config.grad_dtype,
+        master_dtype=config.master_dtype,
         unit_classes=zc.unit_classes,
         persistence_threshold=zc.stage3_param_persistence_threshold,
         reduce_bucket_numel=zc.reduce_bucket_size,

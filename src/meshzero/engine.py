@@ -22,6 +22,7 @@ from meshzero.config import Config, load_config
 from meshzero.faults import StepGuard
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
+from meshzero.precision import autocast
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.session import EngineProfiling
@@ -228,7 +229,7 @@ class Engine(nn.Module):
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
                 kwargs, self.compute_dtype)
-        with self.zero.start_forward():
+        with self.zero.start_forward(), autocast(self.config.torch_autocast.enabled, self.device):
             sp = self.sequence_parallel  # Ulysses: runs this rank's sequence chunk
             out = sp.run(self.module, args, kwargs) if sp else self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0

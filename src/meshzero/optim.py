@@ -4,7 +4,9 @@ The user's choice of optimizer, in DeepSpeed's order of precedence:
     * a ``torch.optim.Optimizer`` instance: rebuilt over fragments with the same class,
       defaults and per-group hyperparameters;
     * an optimizer class or a callable ``f(param_groups) -> Optimizer``;
-    * the config's ``optimizer`` block (Adam, AdamW, SGD).
+    * the config's ``optimizer`` block (Adam, AdamW, SGD, Lamb): torch.optim's classes, or
+      meshzero.optimizers' where torch cannot compute it (LAMB; Adam with
+      ``bias_correction: false``).
 Each fragment lands in the param group of the parameter it came from. On CPU the fused
 kernels are requested explicitly (``fused=None`` never picks them on CPU).
 """
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 
 from meshzero.config import OptimizerConfig
+from meshzero.config.precision import BF16Config
+from meshzero.optimizers import DeepSpeedAdam, Lamb
 
 logger = logging.getLogger(__name__)
 
@@ -78,22 +82,28 @@ def _wants_fused(cls: type, kwargs: dict[str, Any], device: torch.device) -> boo
     return device.type in ("cpu", "cuda")
 
 
-def _from_config(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def _from_config(cfg: OptimizerConfig, bf16: BF16Config | None = None,
+                 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     params = dict(cfg.validated_params())
-    # torch_adam (always torch.optim here) and bias_correction (only true is accepted: torch's
-    # Adam always corrects) ask for nothing more; adam_w_mode picks the class.
-    params.pop("torch_adam", None)
-    params.pop("bias_correction", None)
-    adam_w_mode = params.pop("adam_w_mode", True)
-    if cfg.type == "Adam":
-        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false;
-        # its "AdamW" decouples whatever adam_w_mode says.
-        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    else:
-        cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[cfg.type]
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    return cls, params
+    if cfg.type == "Lamb":
+        return Lamb, params
+    if cfg.type == "SGD":
+        return torch.optim.SGD, params
+    # torch_adam (torch.optim whenever it can compute the config) asks for nothing more.
+    # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false; its
+    # "AdamW" decouples whatever adam_w_mode says.
+    params.pop("torch_adam", None)
+    adam_w_mode = params.pop("adam_w_mode", True) or cfg.type == "AdamW"
+    correct = params.pop("bias_correction", True)
+    bf16_states = bf16 is not None and bf16.bf16_optimizer_states
+    bf16_master = bf16 is not None and bf16.bf16_master_weights_and_grads
+    # torch's Adam always corrects, keeps states in the parameters' dtype and computes in it
+    if not correct or bf16_states or bf16_master:
+        return DeepSpeedAdam, dict(params, adam_w_mode=adam_w_mode, bias_correction=correct,
+                                   state_dtype=torch.bfloat16 if bf16_states else torch.float32)
+    return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), params
 
 
 def build_optimizer(
@@ -104,10 +114,43 @@ def build_optimizer(
     optimizer: torch.optim.Optimizer | type | Callable | None = None,
     model_parameters: Iterable[Any] | None = None,
     config: OptimizerConfig | None = None,
+    bf16: BF16Config | None = None,
 ) -> torch.optim.Optimizer:
+    """``bf16``: with bf16_optimizer_states Adam keeps m and v in bf16, with
+    bf16_master_weights_and_grads it steps bf16 masters in fp32 arithmetic (the config's
+    Adam is built so; a torch Adam/AdamW the caller chose is rebuilt so)."""
     if optimizer is not None and config is not None:
         raise ValueError("both an optimizer argument and the config key 'optimizer' are given; "
                          "pass one of them")
+    opt = _build(model, fragments, device, optimizer, model_parameters, config, bf16)
+    wanted = [k for k in ("bf16_optimizer_states", "bf16_master_weights_and_grads")
+              if bf16 is not None and getattr(bf16, k)]
+    if not wanted or isinstance(opt, DeepSpeedAdam):
+        return opt
+    return _as_deepspeed_adam(opt, f"bf16.{wanted[0]}",
+                              torch.bfloat16 if "bf16_optimizer_states" in wanted
+                              else torch.float32)
+
+
+def _as_deepspeed_adam(opt: torch.optim.Optimizer, key: str,
+                       state_dtype: torch.dtype) -> DeepSpeedAdam:
+    """The caller's torch Adam or AdamW rebuilt as DeepSpeedAdam over the same groups and
+    hyperparameters (nothing stepped yet: there is no state to carry)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+            g.get("amsgrad") for g in opt.param_groups):
+        raise ValueError(f"{key} needs an Adam or AdamW optimizer (no amsgrad): meshzero keeps "
+                         f"those in bf16 with its own Adam; got {type(opt).__name__}")
+    decoupled = type(opt) is torch.optim.AdamW
+    groups = [{"params": g["params"], "lr": float(g["lr"]), "betas": tuple(g["betas"]),
+               "eps": g["eps"], "weight_decay": g["weight_decay"],
+               "adam_w_mode": decoupled or bool(g.get("decoupled_weight_decay"))}
+              for g in opt.param_groups]
+    return DeepSpeedAdam(groups, state_dtype=state_dtype)
+
+
+def _build(model: nn.Module, fragments: dict[nn.Parameter, list[nn.Parameter]],
+           device: torch.device, optimizer: Any, model_parameters: Iterable[Any] | None,
+           config: OptimizerConfig | None, bf16: BF16Config | None) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls, kwargs = type(optimizer), dict(optimizer.defaults)
@@ -120,7 +163,7 @@ def build_optimizer(
             if config is None:
                 raise ValueError("no optimizer: pass optimizer= to initialize() or set the "
                                  "config key 'optimizer'")
-            cls, kwargs = _from_config(config)
+            cls, kwargs = _from_config(config, bf16)
         else:
             return _call_user_factory(optimizer, _fragment_groups(groups, fragments))
     frag_groups = _fragment_groups(groups, fragments)
@@ -151,3 +194,11 @@ def _call_user_factory(factory: Callable, groups: list[dict[str, Any]]) -> torch
         raise ValueError(f"optimizer callable returned {type(opt).__name__}, not a "
                          "torch.optim.Optimizer")
     return opt
+
+
+def bind_to_shards(optimizer: torch.optim.Optimizer, fragment_norms: Callable[[], Any]) -> None:
+    """An optimizer that needs whole-parameter norms (LAMB's trust ratio) learns which
+    fragments make up each parameter and how to sum over the ranks holding the others
+    (``fragment_norms``: ZeRO's ``ShardedOptimizerState.fragment_norms``)."""
+    if isinstance(optimizer, Lamb):
+        optimizer.bind_fragments(fragment_norms())

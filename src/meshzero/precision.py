@@ -1,4 +1,5 @@
-"""Loss scaling for fp16 training (bf16 and fp32 need none), as DeepSpeed's dynamic scaler.
+"""Loss scaling for fp16 training (bf16 and fp32 need none), as DeepSpeed's dynamic scaler,
+and the ``torch_autocast`` region.
 
 Dynamic scaling: the loss is multiplied by ``scale`` before backward; a step whose gradients
 hold inf/nan on any rank is skipped on every rank. ``hysteresis`` is how many overflows the
@@ -12,8 +13,11 @@ only at the window). So from 2**16 with hysteresis 2, eight overflows in a row g
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -68,3 +72,11 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def autocast(enabled: bool, device: torch.device) -> AbstractContextManager[Any]:
+    """``torch_autocast``: the forward under ``torch.autocast`` in bf16 (the one dtype the
+    config accepts); parameters, master and gradients stay fp32."""
+    if not enabled:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)

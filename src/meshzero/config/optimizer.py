@@ -25,8 +25,9 @@ class AdamParams(Section):
     """DeepSpeed's "Adam": decoupled weight decay (i.e. AdamW) unless adam_w_mode is false.
 
     With adam_w_mode false, weight_decay is added to the gradient (L2 regularisation, the
-    behaviour of torch.optim.Adam). torch_adam asks for torch.optim, which meshzero always
-    uses; bias_correction must stay true (torch's Adam always corrects).
+    behaviour of torch.optim.Adam). torch_adam asks for torch.optim, which meshzero uses
+    whenever it can; bias_correction false (DeepSpeed's fused and CPU Adam divide m and v by
+    nothing) is computed by meshzero's DeepSpeedAdam, as torch's always corrects.
     """
 
     lr: PosFloat = 1e-3
@@ -40,10 +41,10 @@ class AdamParams(Section):
 
     @field_validator("bias_correction")
     @classmethod
-    def _corrected(cls, value: bool) -> bool:
-        if not value:
-            raise InvalidValue("is not supported: torch.optim's Adam and AdamW always correct "
-                               "the moments' bias; only true is valid")
+    def _no_amsgrad(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value and info.data.get("amsgrad"):
+            raise InvalidValue("false with amsgrad true is not supported (DeepSpeed's fused "
+                               "and CPU Adam have no AMSGrad); drop one of them")
         return value
 
 
@@ -71,13 +72,38 @@ class SGDParams(Section):
         return nesterov
 
 
+class LambParams(Section):
+    """DeepSpeed's "Lamb" (FusedLamb): Adam's moments, a per-parameter trust ratio
+    ||w|| / ||update|| clamped to [min_coeff, max_coeff], weight decay inside the update;
+    max_grad_norm > 0 clips the global gradient norm first (meshzero/optimizers/lamb.py)."""
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    bias_correction: Bool = True
+    eps_inside_sqrt: Bool = False
+    max_grad_norm: NonNegFloat = 0.0
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+
+    @field_validator("min_coeff")
+    @classmethod
+    def _coeffs_ordered(cls, value: float, info: ValidationInfo) -> float:
+        top = info.data.get("max_coeff", value)
+        if value > top:
+            raise InvalidValue(f"is greater than max_coeff ({top})")
+        return value
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
     "SGD": SGDParams,
+    "Lamb": LambParams,
 }
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "Adagrad", "MuAdam", "MuAdamW",
     "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
 )  # fmt: skip
 
@@ -165,7 +191,7 @@ class _TypedSection(Section):
 
 
 class OptimizerConfig(_TypedSection):
-    """`optimizer`: type Adam, AdamW or SGD (any case) and its params."""
+    """`optimizer`: type Adam, AdamW, SGD or Lamb (any case) and its params."""
 
     kinds = OPTIMIZER_PARAMS
     deepspeed_only = DEEPSPEED_ONLY_OPTIMIZERS
@@ -178,3 +204,33 @@ class SchedulerConfig(_TypedSection):
     kinds = SCHEDULER_PARAMS
     deepspeed_only = DEEPSPEED_ONLY_SCHEDULERS
     what = "scheduler"
+
+
+def optimizer_problems(optimizer: OptimizerConfig | None, *, tp_size: int, pp_size: int,
+                       offload_optimizer: str, bf16_states: bool = False) -> list[str]:
+    """What the chosen optimizer cannot run with. bf16 states are Adam's m and v. LAMB's
+    trust ratio needs each parameter's whole norm: summed over ZeRO's shards, but not (yet)
+    over tensor-parallel slices or pipeline stages, nor over NVMe tiles stepped apart."""
+    if bf16_states and optimizer is not None and optimizer.type not in ("Adam", "AdamW"):
+        return [f"bf16.bf16_optimizer_states with optimizer.type {optimizer.type!r} is not "
+                "supported: it keeps Adam's m and v in bf16; use type Adam or AdamW"]
+    if bf16_states and optimizer is not None and optimizer.params.get("amsgrad"):
+        return ["bf16.bf16_optimizer_states with optimizer.params.amsgrad true is not "
+                "supported (DeepSpeed's Adam has no AMSGrad); drop one of them"]
+    if bf16_states and offload_optimizer == "nvme":
+        return ["bf16.bf16_optimizer_states with zero_optimization.offload_optimizer.device "
+                "'nvme' is not supported yet (the NVMe files lay out fp32 states); use 'cpu' "
+                "or 'none'"]
+    if optimizer is None or optimizer.type != "Lamb":
+        return []
+    clashes = [f"{key} = {value}" for key, value, bad in (
+        ("tensor_parallel.size", tp_size, tp_size > 1),
+        ("pipeline_parallel.size", pp_size, pp_size > 1),
+        ("zero_optimization.offload_optimizer.device", repr(offload_optimizer),
+         offload_optimizer == "nvme")) if bad]
+    if not clashes:
+        return []
+    return [f"optimizer.type 'Lamb' with {', '.join(clashes)} is not supported: its trust "
+            "ratio needs whole-parameter norms, which meshzero sums over ZeRO shards only; "
+            "use tensor_parallel.size 1, pipeline_parallel.size 1 and offload_optimizer "
+            "'none' or 'cpu', or an Adam type"]

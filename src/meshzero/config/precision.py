@@ -1,9 +1,13 @@
-"""`fp16` and `bf16`: the compute dtype and fp16's loss scaling; `data_types`."""
+"""`fp16` and `bf16`: the compute dtype and fp16's loss scaling; `data_types`;
+`torch_autocast`."""
 
-from typing import Annotated, Literal
+import importlib
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+import torch
+from pydantic import Field, field_validator
 
+from meshzero.config.errors import InvalidValue
 from meshzero.config.scalars import Bool, Int, NonNegFloat, PosFloat, PosInt, Section
 
 
@@ -23,7 +27,14 @@ class FP16Config(Section):
 
 
 class BF16Config(Section):
+    """`bf16`: bf16 compute with an fp32 master; bf16_optimizer_states keeps Adam's m and v
+    in bf16 (2 + 2 bytes per element instead of 4 + 4; the arithmetic stays fp32);
+    bf16_master_weights_and_grads keeps the master and the gradients in bf16 (the compute
+    parameters are then the master, as in fp32 training)."""
+
     enabled: Bool = False
+    bf16_optimizer_states: Bool = False
+    bf16_master_weights_and_grads: Bool = False
 
 
 class DataTypesConfig(Section):
@@ -31,3 +42,53 @@ class DataTypesConfig(Section):
     reduced in (None: DeepSpeed's default, the compute dtype; see Config.grad_dtype)."""
 
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+
+
+# DeepSpeed's DtypeEnum spellings of the one autocast dtype meshzero runs
+_AUTOCAST_BF16 = ("bf16", "bfloat16", "bfloat", "torch.bfloat16")
+_AUTOCAST_OTHER = ("fp16", "float16", "half", "torch.float16", "fp32", "float32", "float",
+                   "torch.float32")
+# DeepSpeed's default lower_precision_safe_modules
+SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
+
+
+class TorchAutocastConfig(Section):
+    """`torch_autocast` (DeepSpeed >= 0.16): fp32 parameters, master and gradients, the
+    forward run under ``torch.autocast(dtype)``. Only bfloat16 is accepted (fp16 autocast
+    needs loss scaling meshzero does not apply to it). lower_precision_safe_modules (dotted
+    class names) must import as nn.Module classes; DeepSpeed also reduces those modules'
+    gradients in the autocast dtype, meshzero reduces every gradient in
+    communication_data_type (fp32 by default): more bytes, no extra rounding."""
+
+    enabled: Bool = False
+    dtype: str = "bfloat16"
+    lower_precision_safe_modules: list[str] = Field(default_factory=lambda: list(SAFE_MODULES))
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _bf16_only(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in _AUTOCAST_BF16:
+            return "bfloat16"
+        if isinstance(value, str) and value.lower() in _AUTOCAST_OTHER:
+            raise InvalidValue("is not supported yet: meshzero runs torch_autocast in "
+                               "bfloat16 only (fp16 autocast needs loss scaling); use "
+                               "'bfloat16', or fp16.enabled")
+        raise InvalidValue(f"is not a dtype; valid: {', '.join(_AUTOCAST_BF16)}")
+
+    @field_validator("lower_precision_safe_modules")
+    @classmethod
+    def _module_classes(cls, names: list[str]) -> list[str]:
+        bad = [name for name in names if not _is_module_class(name)]
+        if bad:
+            raise InvalidValue(f"holds {bad}, which do not import as torch.nn.Module classes "
+                               "(give dotted names such as 'torch.nn.Linear')")
+        return names
+
+
+def _is_module_class(dotted: str) -> bool:
+    path, _, name = dotted.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(path), name) if path else None
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(obj, type) and issubclass(obj, torch.nn.Module)

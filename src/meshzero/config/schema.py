@@ -21,8 +21,13 @@ from meshzero.config.monitor import (
     TensorBoardConfig,
     WandbConfig,
 )
-from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig
-from meshzero.config.precision import BF16Config, DataTypesConfig, FP16Config
+from meshzero.config.optimizer import OptimizerConfig, SchedulerConfig, optimizer_problems
+from meshzero.config.precision import (
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    TorchAutocastConfig,
+)
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
 from meshzero.config.sequence import SeqCommDtype, sequence_problems
@@ -42,6 +47,7 @@ class Config(BaseModel):
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     gradient_clipping: NonNegFloat = 0.0
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     prescale_gradients: Bool = False
@@ -80,6 +86,7 @@ class Config(BaseModel):
                                   self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
+        problems += _autocast_problems(self) + _bf16_master_problems(self)
         if self.data_types.grad_accum_dtype == "fp16" and not self.fp16.enabled:
             problems.append("data_types.grad_accum_dtype = 'fp16' needs fp16.enabled: without "
                             "fp16's loss scaling and overflow check, fp16 gradients underflow "
@@ -89,6 +96,10 @@ class Config(BaseModel):
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
         problems += _mesh_problems(self) + sequence_problems(self)
+        problems += optimizer_problems(
+            self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
+            offload_optimizer=self.zero_optimization.offload_optimizer.device,
+            bf16_states=self.bf16.bf16_optimizer_states)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -140,6 +151,11 @@ class Config(BaseModel):
         if self.fp16.enabled:
             return torch.float16
         return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The master's dtype: bf16 with bf16.bf16_master_weights_and_grads, else fp32."""
+        return torch.bfloat16 if self.bf16.bf16_master_weights_and_grads else torch.float32
 
     @property
     def communication_dtype(self) -> torch.dtype | None:
@@ -194,4 +210,40 @@ def _mesh_problems(config: Config) -> list[str]:
         problems.append(f"pipeline_parallel.micro_batches ({pp.micro_batches}) != "
                         f"gradient_accumulation_steps ({gas}): with pipelining the micro-batches "
                         "of one step are the accumulation steps; give one of them")
+    return problems
+
+
+def _autocast_problems(config: Config) -> list[str]:
+    """torch_autocast computes in bf16 from fp32 parameters; fp16/bf16 training keeps 16-bit
+    parameters: one or the other, as in DeepSpeed."""
+    if not config.torch_autocast.enabled:
+        return []
+    both = [f"{key}.enabled" for key in ("fp16", "bf16") if getattr(config, key).enabled]
+    problems = [f"torch_autocast.enabled and {key} are both true; enable one (torch_autocast "
+                "keeps fp32 parameters, fp16/bf16 make them 16-bit)" for key in both]
+    if config.pipeline_parallel.size > 1:
+        problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
+                        "supported yet: the pipeline's stages run outside the autocast region")
+    return problems
+
+
+def _bf16_master_problems(config: Config) -> list[str]:
+    """bf16 masters are the bf16 compute parameters, stepped on bf16 gradients."""
+    if not config.bf16.bf16_master_weights_and_grads:
+        return []
+    key = "bf16.bf16_master_weights_and_grads"
+    problems = []
+    if not config.bf16.enabled:
+        problems.append(f"{key} needs bf16.enabled: the master is the bf16 parameters")
+    if config.data_types.grad_accum_dtype not in (None, "bf16"):
+        problems.append(f"{key} keeps gradients in bf16, but data_types.grad_accum_dtype is "
+                        f"{config.data_types.grad_accum_dtype!r}; drop one of them")
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        problems.append(f"{key} with offload_optimizer.device 'nvme' is not supported yet "
+                        "(the NVMe files hold an fp32 master); use 'cpu' or 'none'")
+    opt = config.optimizer
+    if opt is not None and (opt.type not in ("Adam", "AdamW") or opt.params.get("amsgrad")):
+        problems.append(f"{key} with optimizer.type {opt.type!r} (amsgrad "
+                        f"{bool(opt.params.get('amsgrad'))}) is not supported: meshzero steps "
+                        "bf16 masters with its own Adam (fp32 arithmetic); use Adam or AdamW")
     return problems

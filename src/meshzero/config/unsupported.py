@@ -9,7 +9,6 @@ An unknown-key error for one of these says so instead of suggesting the nearest 
 # model) when the feature lands.
 UNSUPPORTED_KEYS: dict[str, str] = {
     "amp": "NVIDIA apex AMP; use bf16 or fp16",
-    "torch_autocast": "torch.autocast integration; use bf16 or fp16",
     "elasticity": "elastic training changes the batch size",
     "autotuning": "autotuner",
     "compression_training": "compression library",
@@ -25,7 +24,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
     "gradient_allreduce_op": "'sum' adds the data-parallel gradients instead of averaging",
     "managed_gradient_accumulation": "gradient accumulation managed outside the engine",

@@ -54,8 +54,9 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
         g.add_argument("--micro-batch", type=int, default=None,
                        help="samples per GPU per micro-step (default: the config's, else 1)")
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
-                   help="compute dtype; fp32 master weights either way (default: the "
-                        "config's bf16/fp16 section, else fp32)")
+                   help="compute dtype; fp32 master weights unless the config sets "
+                        "bf16.bf16_master_weights_and_grads (default: the config's bf16/fp16 "
+                        "section, else fp32)")
     g.add_argument("--grad-dtype", choices=list(PRECISIONS), default=None,
                    help="the dtype gradients are held, accumulated and reduced in "
                         "(data_types.grad_accum_dtype; default: the config's, else the compute "

@@ -91,13 +91,13 @@ class Settings:
 
     @property
     def precision(self) -> str:
-        """The compute dtype: fp32, bf16 or fp16 (the master is always fp32)."""
+        """The compute dtype: fp32, bf16 or fp16 (the master: ``master_bytes``)."""
         fp16, bf16 = self.config.fp16.enabled, self.config.bf16.enabled
         return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
     @property
     def optimizer(self) -> str:
-        """Adam (either mode), AdamW or SGD."""
+        """Adam (either mode), AdamW, SGD or Lamb (Adam's state bytes)."""
         opt = self.config.optimizer
         return ASSUMED_OPTIMIZER if opt is None else opt.type
 
@@ -253,19 +253,26 @@ class Settings:
         return PRECISIONS[self.grad_dtype]
 
     @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the master: 2 with bf16.bf16_master_weights_and_grads."""
+        return 2 if self.config.bf16.bf16_master_weights_and_grads else 4
+
+    @property
     def split_numel(self) -> int | None:
-        """In-memory 16-bit gradient shards: the longest optimizer leaf (the tier's
-        ``split_numel()``); None: leaves are whole fragments."""
-        if self.grad_bytes == 4 or self.offload_optimizer == "nvme":
+        """In-memory gradient shards not in the master's dtype: the longest optimizer leaf
+        (the tier's ``split_numel()``); None: leaves are whole fragments."""
+        if self.grad_bytes == self.master_bytes or self.offload_optimizer == "nvme":
             return None
         return chunk_numel(self.sub_group_size)
 
     @property
     def state_bytes_per_element(self) -> int:
-        """fp32 optimizer-state bytes per owned element: Adam m, v (+ max v with amsgrad)."""
+        """Optimizer-state bytes per owned element: Adam's (and LAMB's) m, v (+ max v with
+        amsgrad), fp32 or with bf16.bf16_optimizer_states bf16; SGD's momentum."""
         if self.optimizer == "SGD":
             return 4 if self.momentum > 0 else 0
-        return 4 * (3 if self.amsgrad else 2)
+        state_bytes = 2 if self.config.bf16.bf16_optimizer_states else 4
+        return state_bytes * (3 if self.amsgrad else 2)
 
     @property
     def state_bytes_per_fragment(self) -> int:

@@ -3,12 +3,14 @@
 The engine (zero/flat_buffer.py) holds, per flat group of padded size P = N*S on rank r:
 
     params            S (stage 3, sharded group) or P elements, compute dtype
-    master_params     the owned range (P at stage 0, S at 1-3) in fp32, when it is a copy
-                      (16-bit compute, or an offloaded optimizer)
+    master_params     the owned range (P at stage 0, S at 1-3) in fp32 (bf16 with
+                      bf16_master_weights_and_grads), when it is a copy (compute dtype not
+                      the master's, or an offloaded optimizer)
     grads             gradient dtype: the full P buffer at stages 0-1, the shard S at 2-3
-    optimizer_states  per real element owned: Adam m, v (+ amsgrad's max v), SGD momentum;
-                      plus Adam's 4-byte ``step`` tensor per optimizer leaf (a parameter
-                      fragment, cut into pieces of split_numel with 16-bit gradients)
+    optimizer_states  per real element owned: Adam's (LAMB's) m, v (+ amsgrad's max v), 4
+                      bytes each or 2 with bf16_optimizer_states, SGD momentum; plus Adam's
+                      4-byte ``step`` tensor per optimizer leaf (a parameter fragment, cut
+                      into pieces of split_numel with gradients not in the master's dtype)
 
 :func:`model_state_bytes` returns what ``engine.memory_report()`` reports, to the byte, for
 every rank. The rest of this file bounds the transient buffers around them: the gathered
@@ -110,8 +112,8 @@ class ModelStates:
             if not g.requires_grad:
                 continue
             lo, hi = (0, g.padded_numel) if s.stage == 0 else g.shard_range(rank)
-            if s.compute_bytes != 4 or opt_tier != "device":
-                out["master_params"][opt_tier] += (hi - lo) * 4
+            if s.compute_bytes != s.master_bytes or opt_tier != "device":  # a master copy
+                out["master_params"][opt_tier] += (hi - lo) * s.master_bytes
             if s.stage <= 1:
                 out["grads"]["device"] += g.padded_numel * s.grad_bytes  # accumulation
             if s.stage >= 2 or opt_tier != "device":

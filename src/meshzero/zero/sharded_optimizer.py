@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshzero.comm import Communicator, Handle
+from meshzero.optimizers import FragmentNorms
 from meshzero.zero.flat_buffer import FlatGroup
 from meshzero.zero.grad_scan import scan_grads
 from meshzero.zero.offload import Tier
@@ -131,6 +132,25 @@ class ShardedOptimizerState:
             comm.all_reduce(stats, name=op).wait()
         sq, bad = stats.tolist()
         return sq, bad > 0 or (need_norm and not math.isfinite(sq))
+
+    def fragment_norms(self) -> FragmentNorms:
+        """For an optimizer that needs whole-parameter norms (LAMB): each leaf's parameter,
+        numbered in group order (the same on every rank, whatever fragments it holds), and
+        a sum over the shard ranks. At stage 0 every rank holds whole parameters: no sum."""
+        whole = {id(p): i for i, p in enumerate(p for g in self._trainable() for p in g.params)}
+        whole_of = {id(leaf): whole[id(p)] for p, leaves in self.fragments.items()
+                    for leaf in leaves}
+        device = self.comm_device()
+
+        def all_reduce(t: torch.Tensor) -> None:
+            if self.stage == 0:
+                return
+            moved = t.to(device)  # the tier may step on the host, the group reduce elsewhere
+            self.comm.all_reduce(moved, name="optimizer_norms").wait()
+            if moved is not t:
+                t.copy_(moved)
+
+        return FragmentNorms(whole_of, len(whole), all_reduce)
 
     def comm_device(self) -> torch.device:
         for g in self.groups:

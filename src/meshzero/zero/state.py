@@ -57,6 +57,9 @@ class ZeroOptions:
     # gradients are held, accumulated and reduced in this dtype (data_types.grad_accum_dtype);
     # the fp32 master is stepped on them converted a chunk at a time (zero/offload/stepping.py)
     grad_dtype: torch.dtype = torch.float32
+    # the master's dtype: fp32, or bf16 with bf16.bf16_master_weights_and_grads (then in bf16
+    # training the compute parameters are the master, as in fp32 training)
+    master_dtype: torch.dtype = torch.float32
     # of the process groups ZeRO makes itself (the unit-order check's): faults.comm_timeout
     group_timeout: timedelta | None = None
 
@@ -83,7 +86,7 @@ class ZeroModelState:
         # here once, from the config (zero/offload/)
         self.tier = make_tier(options.offload, comm=comm, device=device, layout=self.layout,
                               stage=stage, compute_dtype=options.compute_dtype,
-                              grad_dtype=options.grad_dtype)
+                              grad_dtype=options.grad_dtype, master_dtype=options.master_dtype)
         self.units: list[list[FlatGroup]] = self._build_units(materialize)
         self.groups = [g for gs in self.units for g in gs]
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)

@@ -41,7 +41,8 @@ _TIER_OF = {"none": DeviceTier, "cpu": HostTier, "nvme": NvmeTier}
 
 def make_tier(options: OffloadOptions, *, comm: Communicator, device: torch.device,
               layout: Layout, stage: int, compute_dtype: torch.dtype,
-              grad_dtype: torch.dtype = torch.float32) -> Tier:
+              grad_dtype: torch.dtype = torch.float32,
+              master_dtype: torch.dtype = torch.float32) -> Tier:
     """The tier of ``options.optimizer`` (the config's ``offload_optimizer.device``), with
     ``options.param`` placing stage-3 parameter shards. The NVMe tier checks its paths and
     creates its files here, before any group is built. Host buffers are pinned only for a
@@ -50,4 +51,4 @@ def make_tier(options: OffloadOptions, *, comm: Communicator, device: torch.devi
         options = replace(options, pin_memory=False)
     return _TIER_OF[options.optimizer](options, comm=comm, device=device, layout=layout,
                                        stage=stage, compute_dtype=compute_dtype,
-                                       grad_dtype=grad_dtype)
+                                       grad_dtype=grad_dtype, master_dtype=master_dtype)

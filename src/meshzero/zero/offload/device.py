@@ -22,13 +22,13 @@ class DeviceTier(Tier):
         return self.device
 
     def master_is_copy(self, compute_dtype: torch.dtype) -> bool:
-        # in fp32 training the compute parameters are the master
-        return compute_dtype != torch.float32
+        # in fp32 training (or bf16 with bf16 masters) the compute parameters are the master
+        return compute_dtype != self.master_dtype
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         if not group.master_is_copy:  # the compute params are the master: no copy
             return group.owned_params()
-        return init.clone()
+        return init.to(self.master_dtype, copy=True)
 
     def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
         lo, hi = group.owned

@@ -22,7 +22,7 @@ from meshzero.zero.offload.stepping import (
     step_subset,
     subsets_by_group,
 )
-from meshzero.zero.offload.tier import Tier, host_copy, host_zeros
+from meshzero.zero.offload.tier import Tier, elementwise, host_copy, host_zeros
 from meshzero.zero.offload.transfer import UnitStepper
 
 __all__ = ["HostTier", "UnitStepper"]
@@ -46,7 +46,7 @@ class HostTier(Tier):
         self._unit_chunks: dict[int, list[Chunk]] = {}
 
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
-        return host_copy(init, self.options.pin_memory)
+        return host_copy(init, self.options.pin_memory, self.master_dtype)
 
     def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
         lo, hi = group.owned
@@ -76,6 +76,8 @@ class HostTier(Tier):
                 "engine.step(): with offload_optimizer cpu each unit is stepped during the "
                 "boundary backward, so its gradients are final then; call backward once per "
                 "micro-step, or set engine.overlap_offload_step = False")
+        if not elementwise(self.optimizer):  # a step needs every unit's gradients
+            step_scale = None
         self._step_scale = step_scale if boundary else None
         # norms taken on the device as gradients are stored: the whole step's in fp64 when
         # it runs in step() (clipping, fp16), else each unit's finiteness for its step here

@@ -121,6 +121,13 @@ class ShardsToDevice:
         return True if self.source is None else self.source.prefetch_shard(g)
 
 
+def elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping a subset of the leaves gives each the update a step over all of them
+    would (torch's optimizers; not LAMB, whose trust ratio needs whole-parameter norms), so a
+    tier may step units, chunks or tiles apart."""
+    return getattr(optimizer, "elementwise", True)
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -141,8 +148,10 @@ class Tier(ABC):
 
     def __init__(self, options: OffloadOptions, *, comm: Communicator, device: torch.device,
                  layout: Layout, stage: int, compute_dtype: torch.dtype,
-                 grad_dtype: torch.dtype = torch.float32):
-        """``grad_dtype``: the dtype of the gradient shard the tier keeps."""
+                 grad_dtype: torch.dtype = torch.float32,
+                 master_dtype: torch.dtype = torch.float32):
+        """``grad_dtype``: the dtype of the gradient shard the tier keeps; ``master_dtype``:
+        the master's (fp32, or bf16 with bf16.bf16_master_weights_and_grads)."""
         self.options = options
         self.comm = comm
         self.device = device
@@ -150,6 +159,7 @@ class Tier(ABC):
         self.stage = stage
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
+        self.master_dtype = master_dtype
         self.units: list[list[FlatGroup]] = []
         self.chunks: list[Chunk] | None = None  # 16-bit gradients: stepped chunk by chunk
         # every copy between the device and this tier's host buffers, counted (transfer.py)
@@ -199,7 +209,7 @@ class Tier(ABC):
         """With 16-bit gradient shards in memory: the most elements of one optimizer leaf
         (longer fragments are cut), so the step converts at most that much gradient to
         fp32 at once (stepping.py). None: fp32 gradients, leaves are whole fragments."""
-        if self.grad_dtype == torch.float32:
+        if self.grad_dtype == self.master_dtype:  # the gradient can be the leaves' .grad
             return None
         return chunk_numel(self.options.sub_group_size)
 
@@ -221,6 +231,8 @@ class Tier(ABC):
         self.transfers.take()  # what construction moved is no step's
         numel = self.split_numel()
         if numel is not None:
+            if not elementwise(optimizer):  # one step over every leaf: one chunk of all
+                numel = max(self.optim_state.space_numel, 1)
             self.chunks = plan_chunks(optimizer, self.optim_state.grad_views, numel)
 
     # -- gradients and the step ----------------------------------------------------------------
@@ -380,7 +392,7 @@ class Tier(ABC):
             return
         owned = g.owned[1] - g.owned[0]
         if g.master_is_copy:
-            report["master_params"][self.name] += owned * 4
+            report["master_params"][self.name] += owned * self.master_dtype.itemsize
         if g.stage <= 1:
             report["grads"]["device"] += _nbytes(g.grad_full)
         # on the device at stages 0-1 the shard is a view of grad_full, counted above

@@ -1,0 +1,15 @@
+"""Optimizer arithmetic torch.optim does not have, with DeepSpeed's semantics.
+
+``optim.py`` builds the optimizer (over ZeRO's fragments); this package holds the algorithms
+it may build when torch's own cannot compute what the config asks:
+
+    adam.py  Adam / AdamW as DeepSpeed's fused and CPU kernels compute them, with
+             ``bias_correction`` switchable (torch's always corrects)
+    lamb.py  LAMB (DeepSpeed's ``"Lamb"``): a per-parameter trust ratio from whole-parameter
+             norms, summed over the fragments a parameter is cut into under ZeRO
+"""
+
+from meshzero.optimizers.adam import DeepSpeedAdam
+from meshzero.optimizers.lamb import FragmentNorms, Lamb
+
+__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb"]
