@@ -163,15 +163,15 @@ def test_failed_nvme_io_refuses_the_step_on_every_rank(tmp_path, stage, grad_acc
 def _documented_recovery(rank: int, world_size: int, root: str) -> dict:
     """"A file that ... cannot be written raises NvmeIOError ... ("... the optimizer step
     was not applied on any rank") ... Fix the cause and call engine.step() again to apply
-    the same step": rank 1's disk is full while the step writes its new master tiles."""
+    the same step": the disk is full while the step writes the new master tiles (one rank:
+    that every rank raises is test_offload_io.py::test_nvme_fault_applies_the_step_on_no_shard)."""
     batches = make_batches("mlp", 3, 8)
     engine = _train(f"{root}/run", 2, 1, batches[:1], rank, world_size)
     _batch(engine, batches[1], rank, world_size)
-    free_space = _inject_on("pwrite", "master.", errno.ENOSPC) if rank == 1 else None
+    free_space = _inject_on("pwrite", "master.", errno.ENOSPC)
     with pytest.raises(NvmeIOError) as info:
         engine.step()
-    if free_space is not None:
-        free_space()  # fix the cause
+    free_space()  # fix the cause
     out = {"error": str(info.value), "retry": engine.step()}  # and call engine.step() again
     _batch(engine, batches[2], rank, world_size)
     engine.step()
@@ -186,14 +186,12 @@ def _documented_recovery(rank: int, world_size: int, root: str) -> dict:
 def test_a_failed_step_write_is_recovered_as_documented(tmp_path):
     for sub in ("run", "ref"):
         (tmp_path / sub).mkdir()
-    results = run_distributed(_documented_recovery, 2, tmp_path, str(tmp_path), timeout=90)
-    for rank, r in enumerate(results):
-        assert "the optimizer step was not applied on any rank" in r["error"], r["error"]
-        assert "master.0 cannot be written: [ENOSPC]" in r["error"], r["error"]
-        assert ("another rank" in r["error"]) == (rank == 0), r["error"]
-        assert r["retry"] is True
-        for name, value in r["want"].items():
-            assert torch.equal(r["params"][name], value), (rank, name)
+    (r,) = run_distributed(_documented_recovery, 1, tmp_path, str(tmp_path), timeout=90)
+    assert "the optimizer step was not applied on any rank" in r["error"], r["error"]
+    assert "master.0 cannot be written: [ENOSPC]" in r["error"], r["error"]
+    assert r["retry"] is True
+    for name, value in r["want"].items():
+        assert torch.equal(r["params"][name], value), name
 
 
 # -- a real full disk (tmpfs) ------------------------------------------------------------------
@@ -389,6 +387,7 @@ def _sigterm_torchrun(tmp_path, delay: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 20 launches of about 20 s each on 2 shared cores
 def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
     """What Slurm and Kubernetes do at preemption: SIGTERM to the launcher, which sends it
     on to its workers; 20 launches, each killed at a random point of the training loop
