@@ -456,6 +456,13 @@ def test_plan_takes_sp(capsys):
     assert "configurations fit" in capsys.readouterr().out
 
 
+class _HFLike(torch.nn.Module):
+    """A forward with transformers' shape: keyword inputs and **kwargs for the loss."""
+
+    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, **kwargs):
+        return input_ids
+
+
 def test_inputs_are_cut_with_positions_labels_and_masks():
     """What a rank's forward gets (no communication: rank 1 of a group of 2)."""
     sp = SequenceParallel(None, 2, 1)
@@ -467,8 +474,11 @@ def test_inputs_are_cut_with_positions_labels_and_masks():
     labels = ids.clone()
     labels[1, 6:] = -100  # padding at the end
     mask = (labels != -100).long()
-    _, kwargs, counted = sp.shard_inputs(model, (), {"input_ids": ids, "labels": labels,
-                                                     "attention_mask": mask})
+    # a forward without shift_labels (or **kwargs) gets its labels cut, not shifted
+    _, kwargs, counted = sp.shard_inputs(model, (ids,), {"labels": labels})
+    assert torch.equal(kwargs["labels"], labels[:, 4:]) and "shift_labels" not in kwargs
+    _, kwargs, counted = sp.shard_inputs(_HFLike(), (), {"input_ids": ids, "labels": labels,
+                                                         "attention_mask": mask})
     # shifted before the cut: the chunk's last position predicts nothing (end of sequence)
     assert kwargs["shift_labels"].tolist() == [[5, 6, 7, -100], [13, -100, -100, -100]]
     assert kwargs["attention_mask"] is None and int(counted) == 4

@@ -42,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshzero.comm.stats import OnComm, failure_named, ring_bytes, tensor_bytes
+from meshzero.parallel.sequence_hf import active
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +208,7 @@ class SequenceParallel:
         Ulysses; a Hugging Face output's ``loss`` becomes the full-sequence mean."""
         args, kwargs, counted = self.shard_inputs(module, args, kwargs)
         with contextlib.ExitStack() as stack:
-            from meshzero.parallel.sequence_hf import active  # Hugging Face models' hook
-
-            stack.enter_context(active(self))
+            stack.enter_context(active(self))  # Hugging Face models' attention function
             if self.routes_sdpa:
                 stack.enter_context(self.routing())
             out = module(*args, **kwargs)
@@ -240,7 +239,10 @@ class SequenceParallel:
         if _causal_mask_suffices(kwargs.get("attention_mask")):
             kwargs["attention_mask"] = None
         counted = None
-        if isinstance(kwargs.get("labels"), torch.Tensor):
+        params = inspect.signature(module.forward).parameters
+        takes_shift = "shift_labels" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if isinstance(kwargs.get("labels"), torch.Tensor) and takes_shift:
             # Hugging Face shifts labels inside its loss; shift before cutting, so the last
             # position of a chunk predicts the first token of the next
             shifted = F.pad(kwargs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -252,7 +254,7 @@ class SequenceParallel:
         if "shift_labels" in kwargs:
             counted = (kwargs["shift_labels"] != IGNORE_INDEX).sum()
         chunk = length // self.size
-        if "position_ids" not in inspect.signature(module.forward).parameters:
+        if "position_ids" not in params:
             raise ValueError(f"{type(module).__name__}.forward takes no position_ids: under "
                              f"sequence_parallel_size {self.size} rank {self.rank} holds "
                              f"positions {self.rank * chunk}..{(self.rank + 1) * chunk - 1}; "
