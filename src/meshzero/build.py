@@ -46,6 +46,7 @@ from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
+from meshzero.zero.trainability import listed_parameters, param_group_of
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +116,12 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     if materializer is not None:  # meta parameters the caller passed -> the real ones
         optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
     # 6. the optimizer steps on ZeRO's master fragments, so it comes after ZeRO
+    model_parameters = listed_parameters(model_parameters)
     opt = build_optimizer(
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer)
-    zero.attach_optimizer(opt)
+    zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
                  loss_scaler=LossScaler.from_config(config.fp16),

@@ -51,9 +51,12 @@ class GradientReducer:
         self.on_unit_reduced = on_unit_reduced
         self.replica_comm = replica_comm
         self.predivide = predivide
-        self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
-        self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
-        self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
+        self._count_trainable()
+        # frozen now (requires_grad False): no gradient comes; a unit whose parameters are
+        # all frozen in this backward (``expected`` 0) has nothing new to reduce, and at
+        # stages 0-1 one that got nothing in the whole window neither (``touched``)
+        self.expected = list(self.num_trainable)
+        self.touched = [True] * len(units)
         self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
@@ -78,10 +81,42 @@ class GradientReducer:
             for i, p in enumerate(g.params)
         ]
 
+    def _count_trainable(self) -> None:
+        self.num_groups = [sum(1 for g in gs if g.trainable) for gs in self.units]
+        self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in self.units]
+        self.order = [u for u in reversed(range(len(self.units))) if self.num_trainable[u] > 0]
+
+    def add_group(self, unit: int, group: FlatGroup) -> None:
+        """A group of ``unit`` made trainable after initialize: hook its parameters."""
+        self._count_trainable()
+        self._hooks.extend(p.register_post_accumulate_grad_hook(self._make_hook(unit, group, i))
+                           for i, p in enumerate(group.params))
+        self.expected = list(self.num_trainable)
+        self.touched = [True] * len(self.units)
+        self._reset()
+
+    def set_frozen(self, frozen: frozenset[int], window_start: bool) -> None:
+        """Before a backward: ``frozen`` the ids of trainable-group parameters with
+        requires_grad False now (the same on every rank: the skip decisions below need no
+        communication); ``window_start``: the first backward since the gradients were
+        zeroed."""
+        if frozen:
+            self.expected = [sum(1 for g in gs if g.trainable for p in g.params
+                                 if id(p) not in frozen) for gs in self.units]
+        elif self.expected != self.num_trainable:
+            self.expected = list(self.num_trainable)
+        if window_start:
+            self.touched = [e > 0 for e in self.expected]
+        else:
+            self.touched = [t or e > 0 for t, e in zip(self.touched, self.expected, strict=True)]
+        self._reset()
+
     def _reset(self) -> None:
-        self.remaining = list(self.num_trainable)
+        self.remaining = list(self.expected)
         self.unreduced = list(self.num_groups)
-        self.ready = [False] * len(self.units)
+        # nothing to wait for in a unit with no gradient coming (ready without releasing it:
+        # backward may still run through its frozen parameters)
+        self.ready = [e == 0 for e in self.expected]
         self.next_pos = 0
 
     def _make_hook(self, unit: int, group: FlatGroup, index: int):
@@ -89,7 +124,7 @@ class GradientReducer:
             if not self.enabled:
                 return
             assert param.grad is not None  # the hook runs after the gradient is accumulated
-            if self.remaining[unit] == self.num_trainable[unit]:
+            if self.remaining[unit] == self.expected[unit]:
                 self._finish_completed()  # the unit's first gradient: free buffers first
             with torch.no_grad():
                 group.accumulate(index, param.grad)
@@ -182,6 +217,11 @@ class GradientReducer:
             finish()
 
     def _launch(self, unit: int) -> None:
+        if not self.touched[unit] if self.stage <= 1 else self.expected[unit] == 0:
+            # no gradient reached the unit (its parameters frozen): nothing to sum
+            self.unreduced[unit] = 1
+            self._reduced(unit)
+            return
         for group in self.units[unit]:
             if not group.trainable:
                 continue
