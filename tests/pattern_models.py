@@ -491,9 +491,11 @@ def _frozen_backbone() -> nn.Module:
 
 
 def _progressive(model: nn.Module, step: int, micro: int) -> None:
-    """ULMFiT: the head alone, then the last block joins, then everything."""
+    """ULMFiT: the head alone, then the last block and the input bias join (the input
+    weight, in the same frozen flat group, stays frozen), then everything."""
     if step == 1:
         model.blocks[2].requires_grad_(True)
+        model.inp.bias.requires_grad_(True)
     if step == 2:
         model.requires_grad_(True)
 
@@ -512,7 +514,17 @@ def _toggle_per_micro(model: nn.Module, step: int, micro: int) -> None:
     model.blocks[1].requires_grad_(step != 1)
 
 
+class LazyInput(Stack):
+    """``nn.LazyLinear``: its weight gets a shape in the first forward only."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.LazyLinear(DIM)
+
+
 HEAD_OUTSIDE = type("HeadOutside", (Stack,), {"forward": Stack.hidden})
+LAZY = ("ValueError", "module 'inp' (LazyLinear) has an uninitialized parameter 'weight' (a "
+        "lazy module): run one forward on an example batch before meshzero.initialize")
 ORDER = ("GatherOrderError", "every rank must run the same units")
 
 PATTERNS: list[Pattern] = [
@@ -559,5 +571,6 @@ PATTERNS: list[Pattern] = [
     Pattern("moe_routing_aux_loss", MoE, loss=_moe, world4=True),
     Pattern("checkpoint_with_frozen_layer", lambda: Stack(block=CheckpointFrozenBlock)),
     Pattern("hf_gpt2_model_output", tiny_gpt2, loss=_tokens, tokens=True),
+    Pattern("lazy_module_not_run", LazyInput, errors={s: LAZY for s in range(4)}),
 ]
 BY_NAME = {p.name: p for p in PATTERNS}

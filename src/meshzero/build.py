@@ -47,6 +47,7 @@ from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
 from meshzero.zero.trainability import listed_parameters, param_group_of
+from meshzero.zero.units import check_no_lazy_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
           example_inputs: Any = None, pipeline_layout: Any = None) -> Built:
     """Prepare ``model`` for training under ``config``, in the order of the module
     docstring; collective over the world."""
+    if isinstance(model, nn.Module):
+        check_no_lazy_parameters(model)  # before any collective: a local error
     # 1. groups first: every later step runs collectives on them
     timeout = timedelta(seconds=config.faults.comm_timeout)
     made = init_distributed(timeout=timeout)

@@ -64,6 +64,7 @@ class GradientReducer:
         # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
         self.spread_nonfinite = False
         self._reduce_now = False
+        self.in_backward = False  # between begin_backward and finish_backward
         self._set_aside: list[tuple[FlatGroup, torch.Tensor]] = []
         self._add_to_reduced: set[int] = set()
         # stages 2-3: a unit's transient gradient buffer goes back to the pool once reduced,
@@ -73,13 +74,23 @@ class GradientReducer:
             for g in groups:
                 g.transient_pool = self.pool
         self._reset()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(u, g, i))
-            for u, groups in enumerate(units)
-            for g in groups
-            if g.trainable
-            for i, p in enumerate(g.params)
-        ]
+        self._hooks: list = []
+        # (unit, group, index) of trainable parameters not hooked yet: torch hooks only a
+        # tensor that requires grad, so a frozen one is hooked when it is unfrozen
+        self._unhooked = [(u, g, i) for u, groups in enumerate(units) for g in groups
+                          if g.trainable for i in range(len(g.params))]
+        self._hook_unfrozen()
+
+    def _hook_unfrozen(self) -> None:
+        waiting = []
+        for unit, group, i in self._unhooked:
+            p = group.params[i]
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(unit, group, i)))
+            else:
+                waiting.append((unit, group, i))
+        self._unhooked = waiting
 
     def _count_trainable(self) -> None:
         self.num_groups = [sum(1 for g in gs if g.trainable) for gs in self.units]
@@ -89,8 +100,8 @@ class GradientReducer:
     def add_group(self, unit: int, group: FlatGroup) -> None:
         """A group of ``unit`` made trainable after initialize: hook its parameters."""
         self._count_trainable()
-        self._hooks.extend(p.register_post_accumulate_grad_hook(self._make_hook(unit, group, i))
-                           for i, p in enumerate(group.params))
+        self._unhooked.extend((unit, group, i) for i in range(len(group.params)))
+        self._hook_unfrozen()
         self.expected = list(self.num_trainable)
         self.touched = [True] * len(self.units)
         self._reset()
@@ -100,6 +111,8 @@ class GradientReducer:
         requires_grad False now (the same on every rank: the skip decisions below need no
         communication); ``window_start``: the first backward since the gradients were
         zeroed."""
+        if self._unhooked:
+            self._hook_unfrozen()
         if frozen:
             self.expected = [sum(1 for g in gs if g.trainable for p in g.params
                                  if id(p) not in frozen) for gs in self.units]
@@ -123,6 +136,12 @@ class GradientReducer:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
+            if not self.in_backward:
+                # another engine's backward (a GAN's generator loss runs through the
+                # discriminator): not this engine's gradient, dropped as the discriminator
+                # optimizer's zero_grad() would before its own backward
+                param.grad = None
+                return
             assert param.grad is not None  # the hook runs after the gradient is accumulated
             if self.remaining[unit] == self.expected[unit]:
                 self._finish_completed()  # the unit's first gradient: free buffers first
@@ -138,6 +157,7 @@ class GradientReducer:
     def begin_backward(self, boundary: bool) -> None:
         """Stages 0-1 reduce only on the accumulation boundary; stages 2-3 every micro-step."""
         self._reduce_now = boundary or self.stage >= 2
+        self.in_backward = True
         if self._reduce_now and self.stage <= 1 and not self.grads_are_zero:
             self._set_aside_reduced()
 
@@ -200,6 +220,7 @@ class GradientReducer:
         self._add_to_reduced.clear()
         self.pool.clear()
         self._reset()
+        self.in_backward = False
 
     def _finish_completed(self) -> None:
         """Finish the reductions at the head of the queue that are already done (no wait)."""

@@ -218,6 +218,7 @@ class ZeroModelState:
 
     def reduce_held_gradients(self) -> None:
         """Reduce what accumulated in ``param.grad`` under :meth:`gradients_held`."""
+        self._track_requires_grad()
         self.reducer.reduce_param_grads()
 
     def close(self) -> None:
@@ -281,18 +282,23 @@ class ZeroModelState:
         """``step_scale``: nothing global is needed before the step, so on the boundary the
         tier may step each unit as soon as its gradient is reduced, times ``step_scale``."""
         self._check_open()
-        opened = self.trainability.before_backward()  # requires_grad as it is now
-        frozen = self.trainability.frozen_now
-        self.optim_state.skip(self.trainability.skipped)
-        self.reducer.set_frozen(frozen, opened)
-        self._kept_units = {u for u, gs in enumerate(self.units) for g in gs if g.sharded
-                            for p in g.params if id(p) in frozen} if frozen else set()
+        self._track_requires_grad()
         self.tier.start_backward(boundary, step_scale)
         self.reducer.spread_nonfinite = (step_scale is not None
                                          and self.tier.steps_units_in_backward)
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
             self.sharder.start_backward()
+
+    def _track_requires_grad(self) -> None:
+        """Before gradients are reduced: requires_grad as it is now decides what the step
+        skips and which frozen groups become trainable (zero/trainability.py)."""
+        opened = self.trainability.before_backward()
+        frozen = self.trainability.frozen_now
+        self.optim_state.skip(self.trainability.skipped)
+        self.reducer.set_frozen(frozen, opened)
+        self._kept_units = {u for u, gs in enumerate(self.units) for g in gs if g.sharded
+                            for p in g.params if id(p) in frozen} if frozen else set()
 
     def finish_backward(self) -> None:
         self.reducer.finish_backward()
