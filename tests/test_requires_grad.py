@@ -74,10 +74,12 @@ def _resumed(rank: int, world: int, root: str) -> dict:
             where = f"{root}/{name}-{save_stage}"
             model = build(pattern)
             with meshzero.initialize(model=model, config=_config(pattern, save_stage))[0] as e:
-                _steps(e, model, pattern, rank, world, range(SAVE_AFTER))
+                _steps(e, model, pattern, rank, world, range(1))
+                before = e.memory_report()
+                _steps(e, model, pattern, rank, world, range(1, SAVE_AFTER))
                 e.save_checkpoint(where)
                 saved = e.full_state_dict()
-                memory = e.memory_report()
+                memory = (before, e.memory_report())
             # the resumed run builds the model as the schedule left it: what was frozen at
             # the save is frozen at initialize, its optimizer state comes from the checkpoint
             model = build(pattern)
@@ -105,10 +107,16 @@ def test_resume_in_the_middle_of_a_schedule(tmp_path):
             merged = load_file(consolidate(tmp_path / f"{name}-{save_stage}", out)[0])
             for pname, value in got["saved"].items():
                 assert torch.equal(merged[pname], value), (name, save_stage, pname)
-    # memory_report counts the master of a group made trainable after initialize: the
-    # progressive run unfroze blocks.2 at step 1 (stage 1 here: a 1/2 shard each rank)
-    mem = results[0][("progressive_unfreezing", 1)]["memory"]
-    assert mem["optimizer_states"]["device"] > 0
+    # memory_report counts what a group made trainable after initialize holds: at step 1
+    # the progressive run unfroze blocks.2 (72 elements) and inp.bias, whose frozen group
+    # (inp.weight and inp.bias, 72) became trainable: at stage 1 each keeps a full fp32
+    # gradient buffer (72 * 4 bytes); rank 0's half of blocks.2 is fc.weight[0:36], which
+    # gets AdamW's exp_avg, exp_avg_sq (36 * 4 bytes each) and step (a 4-byte tensor), and
+    # its half of the input group is inp.weight[0:36], still frozen: no state
+    before, after = results[0][("progressive_unfreezing", 1)]["memory"]
+    assert after["grads"]["device"] - before["grads"]["device"] == 2 * 72 * 4
+    grown = after["optimizer_states"]["device"] - before["optimizer_states"]["device"]
+    assert grown == 2 * 36 * 4 + 4, (before, after)
 
 
 # -- a GAN as two engines --------------------------------------------------------------------
