@@ -37,10 +37,11 @@ def _offloaded(rank: int, world: int, stages: list[int]) -> dict:
     return out
 
 
-def test_toggle_patterns_with_cpu_offload(tmp_path):
+# stages 1 and 3 in the default suite (one launch), 2 with the slow set
+@pytest.mark.parametrize("stages", [[1, 3], pytest.param([2], marks=pytest.mark.slow)])
+def test_toggle_patterns_with_cpu_offload(tmp_path, stages):
     """The host tier steps each unit during the boundary backward: skipped fragments are
     left out of that unit step too."""
-    stages = [1, 2, 3]
     results = run_distributed(_offloaded, 2, tmp_path, stages, timeout=600)
     failures = [f for s in stages for f in check([r[s] for r in results], 2, s)]
     assert not failures, "\n".join(failures)
