@@ -47,6 +47,46 @@ def test_toggle_patterns_with_cpu_offload(tmp_path, stages):
     assert not failures, "\n".join(failures)
 
 
+def _frozen_steps(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
+    """freeze_then_unfreeze_keeps_state in bf16 with 16-bit gradients (the chunked step of
+    zero/offload/stepping.py): per step, the frozen parameters' masters and their leaves'
+    Adam step counts."""
+    logging.getLogger("meshzero").setLevel(logging.ERROR)
+    pattern = BY_NAME["freeze_then_unfreeze_keeps_state"]
+    out = {}
+    for stage, offload in cases:
+        model = build(pattern)
+        cfg = _config(pattern, stage)
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "bf16"})
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": offload}
+        frozen = {"blocks.1.fc.weight": model.blocks[1].fc.weight,
+                  "blocks.1.fc.bias": model.blocks[1].fc.bias, "head.bias": model.head.bias}
+        rows = []
+        with meshzero.initialize(model=model, config=cfg)[0] as engine:
+            state, fragments = engine.optimizer.state, engine.zero.optim_state.fragments
+            for step in range(STEPS):
+                _steps(engine, model, pattern, rank, world, range(step, step + 1))
+                full = engine.full_state_dict()
+                counts = {int(state[leaf]["step"]) for p in frozen.values()
+                          for leaf in fragments[p] if leaf in state}
+                rows.append(({n: full[n] for n in frozen}, counts))
+        out[(stage, offload)] = rows
+    return out
+
+
+def test_frozen_fragments_skipped_with_16_bit_gradients(tmp_path):
+    cases = [(1, "none"), (3, "cpu")]
+    results = run_distributed(_frozen_steps, 2, tmp_path, cases, timeout=300)
+    for rank, per_rank in enumerate(results):
+        for case in cases:
+            (v0, c0), (v1, c1), (v2, c2) = per_rank[case]
+            for name in v0:  # frozen at step 1: not moved (no weight decay, no momentum)
+                assert torch.equal(v0[name], v1[name]), (rank, case, name)
+                assert not torch.equal(v1[name], v2[name]), (rank, case, name)
+            # a rank that holds a fragment of them: Adam's step count skips step 1
+            assert (c0, c1, c2) in [({1}, {1}, {2}), (set(), set(), set())], (rank, case)
+
+
 # -- a checkpoint in the middle of a schedule ----------------------------------------------
 RESUME = ["freeze_then_unfreeze_keeps_state", "progressive_unfreezing"]
 SAVE_AFTER = 2  # steps before the save: step 1 froze (or had not yet unfrozen) parameters

@@ -57,6 +57,7 @@ class GradientReducer:
         # stages 0-1 one that got nothing in the whole window neither (``touched``)
         self.expected = list(self.num_trainable)
         self.touched = [True] * len(units)
+        self.frozen: frozenset[int] = frozenset()
         self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
@@ -113,6 +114,7 @@ class GradientReducer:
         zeroed."""
         if self._unhooked:
             self._hook_unfrozen()
+        self.frozen = frozen
         if frozen:
             self.expected = [sum(1 for g in gs if g.trainable for p in g.params
                                  if id(p) not in frozen) for gs in self.units]
@@ -136,10 +138,11 @@ class GradientReducer:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
-            if not self.in_backward:
+            if not self.in_backward or id(param) in self.frozen:
                 # another engine's backward (a GAN's generator loss runs through the
                 # discriminator): not this engine's gradient, dropped as the discriminator
-                # optimizer's zero_grad() would before its own backward
+                # optimizer's zero_grad() would before its own backward. Or frozen when the
+                # backward began, after a forward that recorded its gradient: no gradient
                 param.grad = None
                 return
             assert param.grad is not None  # the hook runs after the gradient is accumulated
