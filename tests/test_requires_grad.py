@@ -87,6 +87,31 @@ def test_frozen_fragments_skipped_with_16_bit_gradients(tmp_path):
             assert (c0, c1, c2) in [({1}, {1}, {2}), (set(), set(), set())], (rank, case)
 
 
+def _nvme_refusals(rank: int, world: int, path: str) -> list[str]:
+    logging.getLogger("meshzero").setLevel(logging.ERROR)
+    errors = []
+    for name in ("frozen_after_initialize", "unfrozen_after_initialize"):
+        pattern = dataclasses.replace(BY_NAME[name], config={"zero_optimization": {
+            "offload_optimizer": {"device": "nvme", "nvme_path": path}}})
+        try:
+            _train(pattern, rank, world, 2)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_nvme_refuses_a_changed_requires_grad(tmp_path):
+    """The NVMe tier steps whole tiles and makes its files at initialize: a clear error at
+    the first backward, naming the parameters."""
+    errors = run_distributed(_nvme_refusals, 2, tmp_path, str(tmp_path), timeout=300)[0]
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("requires_grad is False for blocks.1.fc.weight, "
+                                "blocks.1.fc.bias, trainable at initialize"), errors[0]
+    assert errors[1].startswith("requires_grad was set True after initialize for "
+                                "blocks.0.fc.weight, blocks.0.fc.bias, frozen at "
+                                "initialize"), errors[1]
+
+
 # -- a checkpoint in the middle of a schedule ----------------------------------------------
 RESUME = ["freeze_then_unfreeze_keeps_state", "progressive_unfreezing"]
 SAVE_AFTER = 2  # steps before the save: step 1 froze (or had not yet unfrozen) parameters
@@ -252,7 +277,9 @@ def _gan_reference(world: int) -> dict:
     return {"g": g_model.state_dict(), "d": d_model.state_dict()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# stages 1 and 3 in the default suite, 0 and 2 with the slow set
+@pytest.mark.parametrize("stage", [1, 3, pytest.param(0, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)])
 def test_gan_as_two_engines(tmp_path, stage):
     results = run_distributed(_gan_engines, 2, tmp_path, stage, timeout=300)
     want = _gan_reference(2)
