@@ -75,11 +75,9 @@ class Trainability:
         opened = not self.window_open
         self.window_frozen = self.frozen_now if opened else self.window_frozen & self.frozen_now
         self.window_open = True
-        window = self.window_frozen
-        self.skipped = [p for p in frozen if id(p) in window] if window else []
-        if self.outside:
-            self.skipped += [p for g in self.groups if g.trainable for p in g.params
-                             if id(p) in self.outside and p.requires_grad]
+        skip = self.window_frozen | self.outside
+        self.skipped = [p for g in self.groups if g.trainable for p in g.params
+                        if id(p) in skip] if skip else []
         return opened
 
     def close_window(self) -> None:
@@ -87,15 +85,15 @@ class Trainability:
         self.window_open = False
 
     def check_can_promote(self, group: FlatGroup) -> None:
+        """ValueError where the group's master and optimizer state cannot be made later."""
         if self.tier_name == "nvme" or (group.sharded and self.param_tier == "nvme"):
-            unfrozen = [p for p in group.params if p.requires_grad]
+            unfrozen = [p for p in group.params if p.requires_grad] or group.params
             raise ValueError(
                 f"requires_grad was set True after initialize for "
                 f"{_names([group], unfrozen)}, frozen at initialize: with NVMe offload "
-                "its master and optimizer state cannot be created later. Set "
-                "requires_grad=True before meshzero.initialize (and False again right "
-                "after: a frozen parameter of a trainable group is skipped), or use "
-                "offload device cpu or none")
+                "its master and optimizer state cannot be created later, and "
+                "requires_grad cannot change after initialize. Set it before "
+                "meshzero.initialize, or use offload device cpu or none")
 
 
 def _names(groups: list[FlatGroup], params: list[nn.Parameter]) -> str:
