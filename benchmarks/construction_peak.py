@@ -57,6 +57,43 @@ class TiedLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class GeluBlock(nn.Module):
+    """LayerNorm, Linear, GELU, Linear (a transformer MLP)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class TiedGelu(nn.Module):
+    """16 GELU blocks, the head tied to the embedding (Hugging Face's way: the embedding's
+    initial values are kept, the head's own draw is discarded)."""
+
+    def __init__(self, vocab: int = 5993, dim: int = 1001, hidden: int = 2997,
+                 blocks: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(GeluBlock(dim, hidden) for _ in range(blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+MODELS = {"tied_lm": TiedLM, "tied_gelu": TiedGelu}
+
+
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -76,6 +113,10 @@ def _build(how: str, factory, config: dict) -> tuple:
     if how == "eager":
         torch.manual_seed(0)
         return meshzero.initialize(model=factory(), config=config)
+    if how == "zero_init_block":  # the user builds it under `with zero_init(config)`
+        with meshzero.zero_init(config):
+            model = factory()
+        return meshzero.initialize(model=model, config=config)
     return meshzero.initialize(model=factory, config=config)
 
 
@@ -90,12 +131,13 @@ def worker(args: argparse.Namespace) -> None:
     unit = sum(p.numel() for p in Block(1001, 2997).parameters()) * 4
     # the first engine imports modules and starts threads (tens of MB, whatever the model):
     # build a tiny one first, the same way, so the measurement holds construction alone
-    _build(args.how, lambda: TiedLM(vocab=8, dim=3, hidden=5, blocks=2), config)[0].close()
+    model = MODELS[args.model]
+    _build(args.how, lambda: model(vocab=8, dim=3, hidden=5, blocks=2), config)[0].close()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     base = _status("VmRSS")
-    engine = _build(args.how, lambda: TiedLM(blocks=args.blocks), config)[0]
+    engine = _build(args.how, lambda: model(blocks=args.blocks), config)[0]
     peak = _status("VmHWM") - base
     gc.collect()
     after = _status("VmRSS") - base
@@ -115,7 +157,8 @@ def run(args: argparse.Namespace) -> None:
           "|---|---|---|---|---|---|---|---|---|")
     for how in args.how:
         res = run_ranks(__file__, args.world_size,
-                        ["--how", how, "--stage", str(args.stage), "--blocks", str(args.blocks)])
+                        ["--how", how, "--stage", str(args.stage), "--blocks", str(args.blocks),
+                         "--model", args.model])
         unit = res["unit"]
         ranks = res["ranks"]
         beyond = [(r["peak"] - r["states"]) / unit for r in ranks]
@@ -131,8 +174,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--blocks", type=int, default=15)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tied_lm")
     parser.add_argument("--how", nargs="+", default=["eager", "zero_init"],
-                        choices=["eager", "zero_init"])
+                        choices=["eager", "zero_init", "zero_init_block"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -392,6 +392,8 @@ class Pattern:
     pass_parameters: bool = False  # initialize(model_parameters=model.parameters())
     after_initialize: Callable[[nn.Module], None] | None = None
     step_without_backward: bool = False  # an extra engine.step() before the first backward
+    # before each micro-step's forward: schedule(model, step, micro) (requires_grad toggles)
+    schedule: Callable[[nn.Module, int, int], None] | None = None
 
 
 def _regularizer(call, module, x, y, ctx):
@@ -458,8 +460,71 @@ def _frozen_first() -> nn.Module:
     return model
 
 
+class Gan(nn.Module):
+    """A generator (two units) feeding a discriminator (two units and a head): one model
+    whose halves are frozen in turn (tests/test_requires_grad.py trains it as two engines)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = nn.ModuleList(Lin() for _ in range(2))
+        self.disc = nn.ModuleList(Lin() for _ in range(2))
+        self.head = nn.Linear(DIM, OUT)
+
+    def forward(self, x):
+        for block in [*self.gen, *self.disc]:
+            x = block(x)
+        return self.head(x)
+
+
+def _gan_alternating(model: nn.Module, step: int, micro: int) -> None:
+    """Even steps train the generator (discriminator and head frozen), odd ones the rest."""
+    model.gen.requires_grad_(step % 2 == 0)
+    model.disc.requires_grad_(step % 2 == 1)
+    model.head.requires_grad_(step % 2 == 1)
+
+
+def _frozen_backbone() -> nn.Module:
+    model = Stack()
+    model.inp.requires_grad_(False)
+    model.blocks.requires_grad_(False)
+    return model
+
+
+def _progressive(model: nn.Module, step: int, micro: int) -> None:
+    """ULMFiT: the head alone, then the last block and the input bias join (the input
+    weight, in the same frozen flat group, stays frozen), then everything."""
+    if step == 1:
+        model.blocks[2].requires_grad_(True)
+        model.inp.bias.requires_grad_(True)
+    if step == 2:
+        model.requires_grad_(True)
+
+
+def _freeze_then_unfreeze(model: nn.Module, step: int, micro: int) -> None:
+    """Block 1 and the head's bias (a fragment in the middle of the root's shard) frozen at
+    step 1 only: at step 2 their Adam state (step count 1) is used again."""
+    model.blocks[1].requires_grad_(step != 1)
+    model.head.bias.requires_grad_(step != 1)
+
+
+def _toggle_per_micro(model: nn.Module, step: int, micro: int) -> None:
+    """Two micro-steps per step: block 0 frozen in the first only (it has a gradient in the
+    window: stepped), block 1 in both at step 1 (none: skipped)."""
+    model.blocks[0].requires_grad_(micro == 1)
+    model.blocks[1].requires_grad_(step != 1)
+
+
+class LazyInput(Stack):
+    """``nn.LazyLinear``: its weight gets a shape in the first forward only."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.LazyLinear(DIM)
+
+
 HEAD_OUTSIDE = type("HeadOutside", (Stack,), {"forward": Stack.hidden})
-REQUIRES_GRAD = ("ValueError", "requires_grad changed after initialize")
+LAZY = ("ValueError", "module 'inp' (LazyLinear) has an uninitialized parameter 'weight' (a "
+        "lazy module): run one forward on an example batch before meshzero.initialize")
 ORDER = ("GatherOrderError", "every rank must run the same units")
 
 PATTERNS: list[Pattern] = [
@@ -477,10 +542,13 @@ PATTERNS: list[Pattern] = [
     Pattern("detached_weight_use", lambda: Stack(block=DetachBlock), world4=True),
     Pattern("rank_dependent_branch", RankBranch, loss=_rank_branch, errors={3: ORDER},
             world4=True),
-    Pattern("unfrozen_after_initialize", _frozen_first, after_initialize=_unfreeze,
-            errors={s: REQUIRES_GRAD for s in range(4)}),
-    Pattern("frozen_after_initialize", Stack, after_initialize=_freeze_later,
-            errors={s: REQUIRES_GRAD for s in range(4)}),
+    Pattern("unfrozen_after_initialize", _frozen_first, after_initialize=_unfreeze),
+    Pattern("frozen_after_initialize", Stack, after_initialize=_freeze_later),
+    Pattern("gan_alternating_requires_grad", Gan, schedule=_gan_alternating, world4=True),
+    Pattern("progressive_unfreezing", _frozen_backbone, schedule=_progressive, world4=True),
+    Pattern("freeze_then_unfreeze_keeps_state", Stack, schedule=_freeze_then_unfreeze,
+            world4=True),
+    Pattern("requires_grad_per_micro_step", Stack, schedule=_toggle_per_micro, grad_accum=2),
     Pattern("model_parameters_with_frozen", Frozen, pass_parameters=True),
     Pattern("step_without_backward", Stack, step_without_backward=True),
     Pattern("module_called_in_loop", lambda: Stack(order=[0, 0, 0, 1])),
@@ -503,5 +571,6 @@ PATTERNS: list[Pattern] = [
     Pattern("moe_routing_aux_loss", MoE, loss=_moe, world4=True),
     Pattern("checkpoint_with_frozen_layer", lambda: Stack(block=CheckpointFrozenBlock)),
     Pattern("hf_gpt2_model_output", tiny_gpt2, loss=_tokens, tokens=True),
+    Pattern("lazy_module_not_run", LazyInput, errors={s: LAZY for s in range(4)}),
 ]
 BY_NAME = {p.name: p for p in PATTERNS}

@@ -72,6 +72,8 @@ def _train(pattern: Pattern, rank: int, world: int, stage: int) -> dict:
             for micro in range(gas):
                 x, y = split_for_rank(batch, rank, world, gas, micro)
                 ctx = Ctx(rank, step, micro, engine.gathered)
+                if pattern.schedule is not None:
+                    pattern.schedule(model, step, micro)
                 for _ in range(pattern.backwards_per_step):
                     engine.backward(pattern.loss(engine, model, x, y, ctx))
                 engine.step()
@@ -99,19 +101,26 @@ def reference(name: str, world: int) -> dict[str, torch.Tensor]:
     """One plain-torch process: the ranks' cuts one after the other, AdamW."""
     pattern = BY_NAME[name]
     model = build(pattern)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS,
+    # every parameter (a frozen one is skipped while its .grad is None; unfrozen, it joins)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS,
                             foreach=False, fused=False)
+    if pattern.after_initialize is not None:
+        pattern.after_initialize(model)
     gas = pattern.grad_accum
     for step, batch in enumerate(make_data(pattern, STEPS)):
+        trainable: set[int] = set()  # requires_grad in some micro-step of the window
         for rank in range(world):
             for micro in range(gas):
+                if pattern.schedule is not None:
+                    pattern.schedule(model, step, micro)
+                trainable |= {id(p) for p in params if p.requires_grad}
                 x, y = split_for_rank(batch, rank, world, gas, micro)
                 for _ in range(pattern.backwards_per_step):
                     loss = pattern.loss(model, model, x, y, Ctx(rank, step, micro))
                     (loss / (world * gas)).backward()
-        for p in trainable:  # ZeRO's flat gradient: an unused parameter gets a zero one
-            if p.grad is None:
+        for p in params:  # ZeRO's flat gradient: an unused parameter gets a zero one
+            if p.grad is None and id(p) in trainable:
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -48,6 +48,8 @@ from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import OffloadOptions
 from meshzero.zero.state import ZeroModelState, ZeroOptions
+from meshzero.zero.trainability import listed_parameters, param_group_of
+from meshzero.zero.units import check_no_lazy_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
           example_inputs: Any = None, pipeline_layout: Any = None) -> Built:
     """Prepare ``model`` for training under ``config``, in the order of the module
     docstring; collective over the world."""
+    if isinstance(model, nn.Module):
+        check_no_lazy_parameters(model)  # before any collective: a local error
     # 1. groups first: every later step runs collectives on them
     timeout = timedelta(seconds=config.faults.comm_timeout)
     made = init_distributed(timeout=timeout)
@@ -122,13 +126,14 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     if materializer is not None:  # meta parameters the caller passed -> the real ones
         optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
     # 6. the optimizer steps on ZeRO's master fragments, so it comes after ZeRO
+    model_parameters = listed_parameters(model_parameters)
     opt = build_optimizer(
         model=model, fragments=zero.optim_state.fragments,
         device=zero.optimizer_device,
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
         bf16=config.bf16)
     bind_to_shards(opt, zero.optim_state.fragment_norms)
-    zero.attach_optimizer(opt)
+    zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
                  loss_scaler=LossScaler.from_config(config.fp16),

@@ -292,6 +292,9 @@ def _apply(state: TrainingState, names: ModelNames, reader: CheckpointReader, ma
            rename: dict[str, str], file_rank: int, load_optimizer_states: bool,
            load_lr_scheduler_states: bool) -> None:
     """Local part of a load (no collectives): values, buffers, optimizer, scheduler, RNG."""
+    if load_optimizer_states:  # frozen now, trained before: its master and state come back
+        saved = manifest["optimizer"]["param_group_of"]
+        state.zero.make_trainable(n for n, src in rename.items() if src in saved)
     with torch.no_grad():
         for view, name, start, end in fragment_views(state.zero.groups, for_load=True):
             view.copy_(reader.read(rename[name], "master", start, end))

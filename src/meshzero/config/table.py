@@ -8,7 +8,7 @@ tests/test_config_table.py fails when the docs copy is not what `render` gives.
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -165,12 +165,18 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m meshzero.config.table",
+        description="Render the DeepSpeed-key migration table (docs/migration-keys.md): "
+                    "every ds_config key and what meshzero does with it.")
+    parser.add_argument("output", nargs="?", type=Path, default=None,
+                        help="write the table to this file (default: print it)")
+    args = parser.parse_args(argv)
     text = render()
-    if args:
-        Path(args[0]).write_text(text)
-    else:
+    if args.output is None:
         print(text, end="")
+    else:
+        args.output.write_text(text)
 
 
 if __name__ == "__main__":

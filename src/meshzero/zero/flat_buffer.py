@@ -90,7 +90,6 @@ class FlatGroup:
         self.stage = stage
         self.sharded = stage == 3 and not layout.persistent
         self.owned = (0, layout.padded_numel) if stage == 0 else layout.shard_range(rank)
-        self.trainable = layout.requires_grad
 
         # fp32 copy of the initial values: the master starts exact, not rounded to bf16.
         if init is None:
@@ -104,23 +103,40 @@ class FlatGroup:
         lo, hi = layout.shard_range(rank)
         self.shard = tier.param_shard(self.full[lo:hi]) if self.sharded else self.full[lo:hi]
         self.space_offset = 0  # where the owned range starts in the optimizer space
-        self._master_copy = self.trainable and tier.master_is_copy(compute_dtype)
+        self._compute_dtype = compute_dtype
+        self._master_copy = False
 
         self.master: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self.transient_pool: TransientPool | None = None  # set by the gradient reducer
         self._written: list[bool] | None = None  # transient buffer: slots holding a gradient
-        if self.trainable:
-            self.master = tier.master(self, init[self.owned[0]:self.owned[1]])
-            if stage <= 1:  # the accumulation buffer persists over micro-steps
-                self.grad_full = torch.zeros(layout.padded_numel, dtype=tier.grad_dtype,
-                                             device=device)
-            self.grad = tier.grad_shard(self)
+        self.trainable = False
+        if layout.requires_grad:
+            self.make_trainable(init[self.owned[0]:self.owned[1]])
         del init
         self._bind_params()
         if self.sharded:
             free_storage(self.full)
+
+    def make_trainable(self, init: torch.Tensor | None = None) -> None:
+        """Give the group its fp32 master, gradient buffers and optimizer side: at build for
+        a trainable group, or later for a group frozen at initialize when one of its
+        parameters is unfrozen (zero/trainability.py). ``init``: the owned range's exact
+        fp32 values; None takes them from the compute parameters (a frozen group keeps no
+        fp32 copy: in 16-bit training the master starts from the 16-bit values)."""
+        assert not self.trainable, "make_trainable on a group that is trainable already"
+        if init is None:
+            init = self.owned_params().float()
+            if init.device != self.full.device:  # a stage-3 shard offloaded to host memory
+                init = init.to(self.full.device)
+        self.trainable = True
+        self._master_copy = self.tier.master_is_copy(self._compute_dtype)
+        self.master = self.tier.master(self, init)
+        if self.stage <= 1:  # the accumulation buffer persists over micro-steps
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.tier.grad_dtype,
+                                         device=self.full.device)
+        self.grad = self.tier.grad_shard(self)
 
     @property
     def master_is_copy(self) -> bool:

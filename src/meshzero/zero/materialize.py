@@ -97,6 +97,17 @@ def _has_nan(t: torch.Tensor) -> bool:
     return t.numel() > 0 and bool(t.detach().max().isnan())
 
 
+def _one_unit_at_a_time(works: list[_Work]) -> list[_Work]:
+    """``works`` (in construction order) regrouped so that each unit's modules are made real
+    one after the other, the units in the order they complete: the recorded draws give every
+    parameter its eager values in any order, and a unit whose modules come both before and
+    after the others (the root of a model with a tied embedding and head) no longer holds its
+    flat buffer while every other unit is built."""
+    last = {w.unit: i for i, w in enumerate(works)}
+    order = {id(w): i for i, w in enumerate(works)}
+    return sorted(works, key=lambda w: (last[w.unit], order[id(w)]))
+
+
 class Materializer:
     """Iterate ``materializer(layout)``: ``(unit index, {group index: flat fp32 buffer})``
     in the order units become real (groups without a buffer copy their parameters)."""
@@ -114,6 +125,9 @@ class Materializer:
         self.src = src
         self.restore_state = restore_state
         self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta): (meta, real)
+        # every kept value comes from a recorded draw state (a zero_init record, the
+        # modules' own inits): then the order of materialisation does not change the values
+        self.replays = record is not None and self.init_fn is None
 
     # -- planning -------------------------------------------------------------------------
     def _plan(self, layout: Layout) -> tuple[list[_Work], dict[int, int], list[int]]:
@@ -144,6 +158,8 @@ class Materializer:
                 recorded = self.record.creator_of(t) if self.record is not None else None
                 holders = {id(m) for m, _, _ in self.holders[id(t)]}
                 creator.setdefault(id(t), recorded if recorded in holders else id(w.module))
+        if self.replays:
+            works = _one_unit_at_a_time(works)
         pending = [0] * len(layout.units)
         for w in works:
             pending[w.unit] += 1
@@ -169,6 +185,11 @@ class Materializer:
             if own and kind == "_parameters":
                 real: torch.Tensor = nn.Parameter(self._take(meta),
                                                   requires_grad=meta.requires_grad)
+            elif not own and self.replays:
+                # a tie's discarded init: its draws are not replayed and the kept values
+                # come from their own recorded states, so it runs on the meta tensor (no
+                # scratch the size of the tensor: an embedding's, for a tied head)
+                real = meta
             else:  # buffers outlive their unit; scratch tensors die after the init
                 real = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype,
                                            device="cpu")

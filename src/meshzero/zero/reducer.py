@@ -51,9 +51,13 @@ class GradientReducer:
         self.on_unit_reduced = on_unit_reduced
         self.replica_comm = replica_comm
         self.predivide = predivide
-        self.num_groups = [sum(1 for g in gs if g.trainable) for gs in units]
-        self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in units]
-        self.order = [u for u in reversed(range(len(units))) if self.num_trainable[u] > 0]
+        self._count_trainable()
+        # frozen now (requires_grad False): no gradient comes; a unit whose parameters are
+        # all frozen in this backward (``expected`` 0) has nothing new to reduce, and at
+        # stages 0-1 one that got nothing in the whole window neither (``touched``)
+        self.expected = list(self.num_trainable)
+        self.touched = [True] * len(units)
+        self.frozen: frozenset[int] = frozenset()
         self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
@@ -61,6 +65,7 @@ class GradientReducer:
         # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
         self.spread_nonfinite = False
         self._reduce_now = False
+        self.in_backward = False  # between begin_backward and finish_backward
         self._set_aside: list[tuple[FlatGroup, torch.Tensor]] = []
         self._add_to_reduced: set[int] = set()
         # stages 2-3: a unit's transient gradient buffer goes back to the pool once reduced,
@@ -70,26 +75,78 @@ class GradientReducer:
             for g in groups:
                 g.transient_pool = self.pool
         self._reset()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(u, g, i))
-            for u, groups in enumerate(units)
-            for g in groups
-            if g.trainable
-            for i, p in enumerate(g.params)
-        ]
+        self._hooks: list = []
+        # (unit, group, index) of trainable parameters not hooked yet: torch hooks only a
+        # tensor that requires grad, so a frozen one is hooked when it is unfrozen
+        self._unhooked = [(u, g, i) for u, groups in enumerate(units) for g in groups
+                          if g.trainable for i in range(len(g.params))]
+        self._hook_unfrozen()
+
+    def _hook_unfrozen(self) -> None:
+        waiting = []
+        for unit, group, i in self._unhooked:
+            p = group.params[i]
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(unit, group, i)))
+            else:
+                waiting.append((unit, group, i))
+        self._unhooked = waiting
+
+    def _count_trainable(self) -> None:
+        self.num_groups = [sum(1 for g in gs if g.trainable) for gs in self.units]
+        self.num_trainable = [sum(len(g.params) for g in gs if g.trainable) for gs in self.units]
+        self.order = [u for u in reversed(range(len(self.units))) if self.num_trainable[u] > 0]
+
+    def add_group(self, unit: int, group: FlatGroup) -> None:
+        """A group of ``unit`` made trainable after initialize: hook its parameters."""
+        self._count_trainable()
+        self._unhooked.extend((unit, group, i) for i in range(len(group.params)))
+        self._hook_unfrozen()
+        self.expected = list(self.num_trainable)
+        self.touched = [True] * len(self.units)
+        self._reset()
+
+    def set_frozen(self, frozen: frozenset[int], window_start: bool) -> None:
+        """Before a backward: ``frozen`` the ids of trainable-group parameters with
+        requires_grad False now (the same on every rank: the skip decisions below need no
+        communication); ``window_start``: the first backward since the gradients were
+        zeroed."""
+        if self._unhooked:
+            self._hook_unfrozen()
+        self.frozen = frozen
+        if frozen:
+            self.expected = [sum(1 for g in gs if g.trainable for p in g.params
+                                 if id(p) not in frozen) for gs in self.units]
+        elif self.expected != self.num_trainable:
+            self.expected = list(self.num_trainable)
+        if window_start:
+            self.touched = [e > 0 for e in self.expected]
+        else:
+            self.touched = [t or e > 0 for t, e in zip(self.touched, self.expected, strict=True)]
+        self._reset()
 
     def _reset(self) -> None:
-        self.remaining = list(self.num_trainable)
+        self.remaining = list(self.expected)
         self.unreduced = list(self.num_groups)
-        self.ready = [False] * len(self.units)
+        # nothing to wait for in a unit with no gradient coming (ready without releasing it:
+        # backward may still run through its frozen parameters)
+        self.ready = [e == 0 for e in self.expected]
         self.next_pos = 0
 
     def _make_hook(self, unit: int, group: FlatGroup, index: int):
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
+            if not self.in_backward or id(param) in self.frozen:
+                # another engine's backward (a GAN's generator loss runs through the
+                # discriminator): not this engine's gradient, dropped as the discriminator
+                # optimizer's zero_grad() would before its own backward. Or frozen when the
+                # backward began, after a forward that recorded its gradient: no gradient
+                param.grad = None
+                return
             assert param.grad is not None  # the hook runs after the gradient is accumulated
-            if self.remaining[unit] == self.num_trainable[unit]:
+            if self.remaining[unit] == self.expected[unit]:
                 self._finish_completed()  # the unit's first gradient: free buffers first
             with torch.no_grad():
                 group.accumulate(index, param.grad)
@@ -103,6 +160,7 @@ class GradientReducer:
     def begin_backward(self, boundary: bool) -> None:
         """Stages 0-1 reduce only on the accumulation boundary; stages 2-3 every micro-step."""
         self._reduce_now = boundary or self.stage >= 2
+        self.in_backward = True
         if self._reduce_now and self.stage <= 1 and not self.grads_are_zero:
             self._set_aside_reduced()
 
@@ -165,6 +223,7 @@ class GradientReducer:
         self._add_to_reduced.clear()
         self.pool.clear()
         self._reset()
+        self.in_backward = False
 
     def _finish_completed(self) -> None:
         """Finish the reductions at the head of the queue that are already done (no wait)."""
@@ -182,6 +241,11 @@ class GradientReducer:
             finish()
 
     def _launch(self, unit: int) -> None:
+        if not self.touched[unit] if self.stage <= 1 else self.expected[unit] == 0:
+            # no gradient reached the unit (its parameters frozen): nothing to sum
+            self.unreduced[unit] = 1
+            self._reduced(unit)
+            return
         for group in self.units[unit]:
             if not group.trainable:
                 continue

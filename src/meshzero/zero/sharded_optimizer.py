@@ -49,26 +49,50 @@ class ShardedOptimizerState:
         self._view_weights: list[float] | None = None  # tp/pp norm weight of each view
         self.space_numel = 0  # elements of this rank's optimizer space (owned ranges)
         self.tiles = tier.tile_planner()
-        split = tier.split_numel()
+        self._split = tier.split_numel()
         self.tile_of: list[int] = []  # tiled: the tile of each fragment_index entry
+        self.leaf_params: list[nn.Parameter] = []  # the parameter of each fragment_index entry
+        # leaves of parameters that got no gradient in this accumulation window: the step
+        # leaves their .grad None, so torch.optim skips them (zero/trainability.py)
+        self.skipped_leaves: frozenset[int] = frozenset()
         for group in groups:
-            if not group.trainable:
+            if group.trainable:
+                self.add_group(group)
+
+    def add_group(self, group: FlatGroup) -> dict[nn.Parameter, list[nn.Parameter]]:
+        """Leaves over ``group``'s owned range, appended to the optimizer space (at build,
+        or for a frozen group made trainable later); returns them by parameter."""
+        lo, hi = group.owned
+        group.space_offset = self.space_numel
+        self.space_numel += hi - lo
+        param_of = dict(zip(group.layout.slots, group.params, strict=True))
+        first = len(self.fragment_index)
+        for whole in group.layout.fragments(lo, hi):
+            if self.tiles is None:
+                for frag in split_fragment(whole, self._split):
+                    self._add_leaf(frag, group, param_of[frag.slot], resident=True)
                 continue
-            lo, hi = group.owned
-            group.space_offset = self.space_numel
-            self.space_numel += hi - lo
-            param_of = dict(zip(group.layout.slots, group.params, strict=True))
-            for whole in group.layout.fragments(lo, hi):
-                if self.tiles is None:
-                    for frag in split_fragment(whole, split):
-                        self._add_leaf(frag, group, param_of[frag.slot], resident=True)
-                    continue
-                position = group.space_offset + whole.local_offset
-                for frag, tile in self.tiles.add(whole, position):
-                    self._add_leaf(frag, group, param_of[frag.slot], resident=False)
-                    self.tile_of.append(tile)
-            for p in group.params:
-                self.fragments.setdefault(p, [])
+            position = group.space_offset + whole.local_offset
+            for frag, tile in self.tiles.add(whole, position):
+                self._add_leaf(frag, group, param_of[frag.slot], resident=False)
+                self.tile_of.append(tile)
+        self._view_weights = None
+        added: dict[nn.Parameter, list[nn.Parameter]] = {p: [] for p in group.params}
+        for p in group.params:  # a parameter with nothing in this rank's range: no leaves
+            self.fragments.setdefault(p, [])
+        for (leaf, _, _), p in zip(self.fragment_index[first:], self.leaf_params[first:],
+                                   strict=True):
+            added[p].append(leaf)
+        return added
+
+    def skip(self, params: list[nn.Parameter]) -> None:
+        """The next step leaves the fragments of ``params`` alone (no gradient reached them
+        in this window), as torch.optim does a parameter whose ``.grad`` is None."""
+        self.skipped_leaves = frozenset(id(leaf) for p in params
+                                        for leaf in self.fragments.get(p, ()))
+
+    def steps_leaf(self, leaf: torch.Tensor) -> bool:
+        return id(leaf) not in self.skipped_leaves
 
     def _add_leaf(self, frag: Fragment, group: FlatGroup, param: nn.Parameter,
                   resident: bool) -> None:
@@ -84,13 +108,15 @@ class ShardedOptimizerState:
             leaf = nn.Parameter(placeholder(frag.numel, torch.float32), requires_grad=True)
         self.fragments.setdefault(param, []).append(leaf)
         self.fragment_index.append((leaf, frag, group))
+        self.leaf_params.append(param)
 
     def attach_grads(self) -> None:
         """Re-point every fragment's ``.grad`` at the flat gradient (a user's zero_grad may
-        have set it to None)."""
+        have set it to None); None for the skipped ones (:meth:`skip`)."""
+        skipped = self.skipped_leaves
         for leaf, view in self.grad_views:
             if view.dtype == leaf.dtype:
-                leaf.grad = view
+                leaf.grad = view if not skipped or id(leaf) not in skipped else None
 
     def _trainable(self):
         return (g for g in self.groups if g.trainable)

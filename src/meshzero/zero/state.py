@@ -35,6 +35,7 @@ from meshzero.zero.sharded_params import (
     ParameterSharder,
     order_check_communicator,
 )
+from meshzero.zero.trainability import Trainability
 from meshzero.zero.units import Layout, build_layout
 
 
@@ -119,6 +120,12 @@ class ZeroModelState:
             predivide=options.grad_predivide,
         )
         self.optimizer: torch.optim.Optimizer | None = None
+        # id(parameter) -> the optimizer param group it was given in (frozen ones included)
+        self.param_group_of: dict[int, int] = {}
+        self.trainability = Trainability(self.groups, tier_name=self.tier.name,
+                                         param_tier=self.tier.param_tier,
+                                         make_trainable=self._make_trainable)
+        self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
 
@@ -150,9 +157,38 @@ class ZeroModelState:
         """Where the optimizer over the fragments must live."""
         return self.tier.optimizer_device
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
+                         param_group_of: dict[int, int] | None = None) -> None:
+        """``param_group_of``: id(parameter) -> the param group it was passed in, frozen
+        ones included (where a frozen group's fragments go if it is unfrozen later)."""
         self.optimizer = optimizer
+        self.param_group_of = param_group_of or {}
         self.tier.attach_optimizer(optimizer)
+
+    def _make_trainable(self, group: FlatGroup) -> None:
+        """A group frozen at initialize gets a master, gradients and optimizer leaves
+        (zero/trainability.py); a parameter passed in no param group is never stepped, as
+        in plain torch."""
+        assert self.optimizer is not None, "the optimizer is attached before any backward"
+        group.make_trainable()
+        added = self.optim_state.add_group(group)
+        for p, leaves in added.items():
+            index = self.param_group_of.get(id(p))
+            if index is None:
+                self.trainability.outside.add(id(p))
+                index = 0  # in a group for the checkpoint's sake, but always skipped
+            self.optimizer.param_groups[index]["params"].extend(leaves)
+        self.reducer.add_group(group.layout.unit, group)
+        self.tier.attach_optimizer(self.optimizer)
+
+    def make_trainable(self, names: Iterable[str]) -> None:
+        """Make the frozen groups holding the parameters ``names`` trainable (a checkpoint
+        that saved optimizer state for them is being loaded)."""
+        wanted = set(names)
+        for g in self.groups:
+            if not g.trainable and any(s.name in wanted for s in g.layout.slots):
+                self.trainability.check_can_promote(g)
+                self._make_trainable(g)
 
     def finish_unit_steps(self) -> bool:
         """Wait for the unit steps of the last backward; True if it stepped everything."""
@@ -206,6 +242,7 @@ class ZeroModelState:
     def reduce_held_gradients(self) -> None:
         """Reduce what accumulated in ``param.grad`` under :meth:`gradients_held`."""
         self.phases.post()  # every rank reduces now (faults/phase.py)
+        self._track_requires_grad()
         self.reducer.reduce_param_grads()
 
     def close(self) -> None:
@@ -230,7 +267,8 @@ class ZeroModelState:
     def _on_unit_ready(self, unit: int) -> None:
         """All grads of ``unit`` are in: at stage 3 its full params can go (unless frozen
         sharded params may still be needed by backward; those go at the end of backward)."""
-        if self.sharder is not None and all(g.trainable for g in self.units[unit] if g.sharded):
+        if self.sharder is not None and unit not in self._kept_units \
+                and all(g.trainable for g in self.units[unit] if g.sharded):
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
@@ -260,21 +298,6 @@ class ZeroModelState:
                     self.sharder.sticky.discard(u)
                     self.sharder.release_parameters(u)
 
-    def check_requires_grad(self) -> None:
-        """Flat groups and the optimizer are built from ``requires_grad`` at initialize; a
-        change after it would train a parameter that should be frozen (weight decay moves it)
-        or never train one that was unfrozen, silently. Raise naming them instead."""
-        changed = [f"{s.name} (now requires_grad={p.requires_grad})"
-                   for g in self.groups for s, p in zip(g.layout.slots, g.params, strict=True)
-                   if p.requires_grad != g.trainable]
-        if changed:
-            raise ValueError(
-                f"requires_grad changed after initialize for {len(changed)} parameter(s): "
-                f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. meshzero "
-                "builds its flat buffers and optimizer from requires_grad at initialize: set "
-                "it before meshzero.initialize, or when it must change, save a checkpoint and "
-                "build a new engine with the new setting")
-
     def after_step(self) -> None:
         """Stage 3: units still gathered (used after backward) hold the old values: free them."""
         if self.sharder is not None:
@@ -284,7 +307,7 @@ class ZeroModelState:
         """``step_scale``: nothing global is needed before the step, so on the boundary the
         tier may step each unit as soon as its gradient is reduced, times ``step_scale``."""
         self._check_open()
-        self.check_requires_grad()
+        self._track_requires_grad()
         # a backward that reduces gradients is a collective: every rank must be in one
         self.phases.enter("backward", post=boundary or self.options.stage >= 2)
         self.tier.start_backward(boundary, step_scale)
@@ -293,6 +316,16 @@ class ZeroModelState:
         self.reducer.begin_backward(boundary)
         if self.sharder is not None:
             self.sharder.start_backward()
+
+    def _track_requires_grad(self) -> None:
+        """Before gradients are reduced: requires_grad as it is now decides what the step
+        skips and which frozen groups become trainable (zero/trainability.py)."""
+        opened = self.trainability.before_backward()
+        frozen = self.trainability.frozen_now
+        self.optim_state.skip(self.trainability.skipped)
+        self.reducer.set_frozen(frozen, opened)
+        self._kept_units = {u for u, gs in enumerate(self.units) for g in gs if g.sharded
+                            for p in g.params if id(p) in frozen} if frozen else set()
 
     def finish_backward(self) -> None:
         self.reducer.finish_backward()
@@ -307,6 +340,7 @@ class ZeroModelState:
     def zero_grads(self) -> None:
         self.optim_state.zero_grads()
         self.reducer.grads_are_zero = True
+        self.trainability.close_window()
 
     # -- reports ------------------------------------------------------------------------------
     def held_numel(self) -> int:

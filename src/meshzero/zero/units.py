@@ -183,6 +183,20 @@ def _common_unit(unit_paths: list[str], owners: list[str]) -> str:
     return _owner(unit_paths, ".".join(prefix))
 
 
+def check_no_lazy_parameters(model: nn.Module) -> None:
+    """ValueError naming the first module whose parameters a lazy module (``nn.LazyLinear``)
+    has not created yet: they get their shape in the first forward, and ZeRO lays out every
+    parameter at initialize."""
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"module {path or '<root>'!r} ({type(module).__name__}) has an "
+                    f"uninitialized parameter {name!r} (a lazy module): run one forward "
+                    "on an example batch before meshzero.initialize, so every parameter "
+                    "has its shape")
+
+
 def build_layout(
     model: nn.Module,
     *,

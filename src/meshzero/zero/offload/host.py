@@ -99,13 +99,14 @@ class HostTier(Tier):
             if self._refused or self._nonfinite(groups):
                 self._refused += 1
                 return
+            skipped = self.optim_state.skipped_leaves  # no gradient this step
             if unit in self._unit_chunks:  # 16-bit gradients: scaled as they are converted
-                step_chunks(self.optimizer, self._unit_chunks[unit], scale)
+                step_chunks(self.optimizer, self._unit_chunks[unit], scale, skipped)
             else:
                 for g in groups if scale != 1.0 else ():
                     assert g.grad is not None  # a trainable group holds its gradient shard
                     g.grad.mul_(scale)
-                step_subset(self.optimizer, self._unit_subsets[unit])
+                step_subset(self.optimizer, self._unit_subsets[unit], skipped)
             for g in groups:
                 g.copy_master_to_params()
             self._stepped += 1

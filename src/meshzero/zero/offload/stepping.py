@@ -41,9 +41,13 @@ def split_fragment(frag: Fragment, numel: int | None) -> list[Fragment]:
                      frag.local_offset + a) for a in range(0, frag.numel, numel)]
 
 
-def step_subset(optimizer: torch.optim.Optimizer, subset: list[list[torch.Tensor]]) -> None:
+def step_subset(optimizer: torch.optim.Optimizer, subset: list[list[torch.Tensor]],
+                skipped: frozenset[int] = frozenset()) -> None:
     """``optimizer.step()`` over ``subset[i]`` of param group i only (elementwise optimizers
-    give each tensor the same update as a step over all of them)."""
+    give each tensor the same update as a step over all of them), less the leaves whose id
+    is in ``skipped`` (no gradient this step: torch.optim would skip them)."""
+    if skipped:
+        subset = [[t for t in ts if id(t) not in skipped] for ts in subset]
     saved = [g["params"] for g in optimizer.param_groups]
     try:
         for group, params in zip(optimizer.param_groups, subset, strict=True):
@@ -85,8 +89,10 @@ def plan_chunks(optimizer: torch.optim.Optimizer,
     return chunks
 
 
-def step_chunks(optimizer: torch.optim.Optimizer, chunks: list[Chunk], scale: float) -> None:
-    """Step every chunk on its gradients converted to fp32 and multiplied by ``scale``."""
+def step_chunks(optimizer: torch.optim.Optimizer, chunks: list[Chunk], scale: float,
+                skipped: frozenset[int] = frozenset()) -> None:
+    """Step every chunk on its gradients converted to fp32 and multiplied by ``scale``;
+    leaves whose id is in ``skipped`` keep ``.grad`` None (torch.optim skips them)."""
     if not chunks:
         return
     device = chunks[0].leaves[0][1].device
@@ -96,7 +102,7 @@ def step_chunks(optimizer: torch.optim.Optimizer, chunks: list[Chunk], scale: fl
         for leaf, grad in chunk.leaves:
             view = buf[a:a + grad.numel()]
             view.copy_(grad)  # to fp32 first: the scale is applied in fp32
-            leaf.grad = view
+            leaf.grad = view if id(leaf) not in skipped else None
             a += grad.numel()
         if scale != 1.0:
             buf[:a].mul_(scale)

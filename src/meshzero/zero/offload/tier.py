@@ -349,7 +349,7 @@ class Tier(ABC):
     def step(self, scale: float) -> None:
         """Scale the gradients by ``scale`` and step every fragment (not yet in params)."""
         if self.chunks is not None:  # 16-bit gradients, converted chunk by chunk
-            step_chunks(self.optimizer, self.chunks, scale)
+            step_chunks(self.optimizer, self.chunks, scale, self.optim_state.skipped_leaves)
             return
         self.optim_state.scale_grads(scale)
         self.optim_state.attach_grads()
