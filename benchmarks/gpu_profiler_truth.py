@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import ModelSpec, build_model, gpt_spec, loss_fn, make_batches  # noqa: E402
 
 import meshzero  # noqa: E402
+from meshzero.profiling.report import si  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
 
 TOLERANCE = 0.05
@@ -93,12 +94,12 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
     median = statistics.median(outside[s] for s in r.headline_steps)
     headline_err = r.iter_latency_s / median - 1
     profiled = outside[PROFILE_STEP] / median
-    line = (f"{r.params_total / 1e9:.2f} B params, steps {r.headline_steps}: outside median "
+    line = (f"{si(r.params_total)} params, steps {r.headline_steps}: outside median "
             f"{median * 1e3:.1f} ms, headline {r.iter_latency_s * 1e3:.1f} ms "
             f"({headline_err:+.1%}); profiled step {outside[PROFILE_STEP] * 1e3:.1f} ms = "
             f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x); MFU "
             f"{_pct(r.mfu)} HFU {_pct(r.hfu)}, peak: {r.peak_flops_source}; model FLOPs "
-            f"{r.model_flops / 1e12:.3f} T; peak memory {r.peak_memory_bytes / 2**30:.2f} GiB "
+            f"{si(r.model_flops)} per step; peak memory {r.peak_memory_bytes / 2**30:.2f} GiB "
             f"(model states {r.model_state_bytes / 2**30:.2f} GiB)")
     if not on_gpu:  # the dry run: the path runs end to end; times on a shared CPU mean little
         return True, line + " [CPU dry run: no thresholds]"
