@@ -143,6 +143,11 @@ def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
             meshzero.initialize(model=model, config=copy.deepcopy(cfg))
         except ValueError as exc:
             errors.append(str(exc))
+    engine, *_ = meshzero.initialize(model=_OddHeads(), config=copy.deepcopy(cfg))
+    try:  # found at the first forward: the error names the module that called SDPA
+        engine(torch.randn(1, 4, 12))
+    except ValueError as exc:
+        errors.append(str(exc))
     sp = SequenceParallel(dist.group.WORLD, world_size, rank)
     try:  # a loader sharded over every rank: the sp ranks got different samples
         sp.shard_inputs(GPT(GPT_CFG), (torch.full((1, 4), rank),), {})
@@ -161,11 +166,12 @@ def _bad_shapes_rank(rank: int, world_size: int) -> list[str]:
 def test_bad_shapes_are_clear_errors(run_ranks):
     pytest.importorskip("transformers")
     errors = run_ranks(_bad_shapes_rank, 2)[0]
-    assert len(errors) == 6
+    assert len(errors) == 7
     assert "blocks.0.attn.n_head = 3 attention heads are not divisible by " \
         "sequence_parallel_size 2" in errors[0]
     assert "LlamaForCausalLM.config.num_key_value_heads = 3 key/value heads can be neither " \
         "split over nor replicated to sequence_parallel_size 2" in errors[1]
+    assert errors.pop(2).startswith("_OddHeads: 3 attention heads are not divisible")
     assert "the ranks of a sequence-parallel group passed different micro-batches " \
         "((batch, length, sum) per rank: [[1.0, 4.0, 0.0], [1.0, 4.0, 4.0]])" in errors[2]
     assert "blocks.0.attn: 3 attention heads are not divisible by sequence_parallel_size 2" \
@@ -454,6 +460,18 @@ def test_plan_takes_sp(capsys):
     assert main(["plan", "meshzero.demo.gpt:GPT", "--gpus-per-node", "4", "--seq-len", "128",
                  "--sp", "2", "--top", "3"]) == 0
     assert "configurations fit" in capsys.readouterr().out
+
+
+class _OddHeads(torch.nn.Module):
+    """Attention with 3 heads and no attribute that says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(12, 36)
+
+    def forward(self, x, position_ids=None):
+        q, k, v = self.attn(x).view(*x.shape[:2], 3, 3, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class _HFLike(torch.nn.Module):

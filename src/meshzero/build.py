@@ -175,6 +175,8 @@ def _sequence(model: nn.Module, config: Config, topology: Topology,
         on_comm=stats.counter("sp", inter_node=topology.spans_nodes(group)))
     if use_ulysses(model):
         sequence.routes_sdpa = False
+    else:  # an attention shape sp cannot split: an error naming the module
+        sequence.name_modules(model)
     return sequence
 
 

@@ -114,6 +114,7 @@ class SequenceParallel:
     local_tokens: int = field(default=0, init=False)  # B * T/sp of the last micro-batch
     _inside: bool = field(default=False, init=False, repr=False)
     _checked: bool = field(default=False, init=False, repr=False)  # same batch on every rank
+    _calls: list[str] = field(default_factory=list, init=False, repr=False)  # modules running
 
     # -- communication -----------------------------------------------------------------------
     def exchange(self, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
@@ -187,10 +188,28 @@ class SequenceParallel:
         return self.attention(query, key, value, attend, where)
 
     @contextlib.contextmanager
-    def routing(self, where: str = "scaled_dot_product_attention") -> Iterator[None]:
-        """Inside: every ``F.scaled_dot_product_attention`` call goes through :meth:`sdpa`."""
+    def routing(self, where: str | None = None) -> Iterator[None]:
+        """Inside: every ``F.scaled_dot_product_attention`` call goes through :meth:`sdpa`
+        (errors name ``where``, else the innermost module :meth:`name_modules` saw run)."""
         with _RouteSDPA(self, where):
             yield
+
+    def name_modules(self, model: nn.Module) -> list[Any]:
+        """Hooks that keep the qualified names of ``model``'s running modules, so that an
+        attention shape sp cannot split is an error naming its module; returns them."""
+        calls = self._calls
+
+        def leave(*_: Any) -> None:  # a hook's return value would replace the output
+            calls.pop()
+
+        hooks = []
+        for name, sub in model.named_modules():
+            def enter(*_: Any, name: str = name or type(model).__name__) -> None:
+                calls.append(name)
+
+            hooks += [sub.register_forward_pre_hook(enter),
+                      sub.register_forward_hook(leave, always_call=True)]
+        return hooks
 
     # -- data --------------------------------------------------------------------------------
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -304,7 +323,7 @@ class SequenceParallel:
 class _RouteSDPA(TorchFunctionMode):
     """Sends ``F.scaled_dot_product_attention`` to :meth:`SequenceParallel.sdpa`."""
 
-    def __init__(self, sp: SequenceParallel, where: str):
+    def __init__(self, sp: SequenceParallel, where: str | None):
         super().__init__()
         self.sp, self.where = sp, where
 
@@ -312,9 +331,11 @@ class _RouteSDPA(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention or self.sp._inside:
             return func(*args, **kwargs)
+        where = self.where or (self.sp._calls[-1] if self.sp._calls
+                               else "scaled_dot_product_attention")
         self.sp._inside = True  # an outer mode (a plan inside the engine's) routes once
         try:
-            return self.sp.sdpa(*args, **kwargs, where=self.where)
+            return self.sp.sdpa(*args, **kwargs, where=where)
         finally:
             self.sp._inside = False
 
