@@ -112,6 +112,33 @@ def test_nvme_refuses_a_changed_requires_grad(tmp_path):
                                 "initialize"), errors[1]
 
 
+def _outside_optimizer(rank: int, world: int, stages: list[int]) -> dict:
+    """blocks.0 frozen at initialize and left out of model_parameters, then unfrozen: as in
+    plain torch it gets gradients but no optimizer ever steps it."""
+    logging.getLogger("meshzero").setLevel(logging.ERROR)
+    pattern = BY_NAME["unfrozen_after_initialize"]
+    out = {}
+    for stage in stages:
+        model = build(pattern)
+        given = [p for p in model.parameters() if p.requires_grad]
+        with meshzero.initialize(model=model, config=_config(pattern, stage),
+                                 model_parameters=given)[0] as engine:
+            before = engine.full_state_dict()
+            assert pattern.after_initialize is not None
+            pattern.after_initialize(model)
+            _steps(engine, model, pattern, rank, world, range(STEPS))
+            out[stage] = (before, engine.full_state_dict())
+    return out
+
+
+def test_unfrozen_parameter_outside_the_optimizer_is_never_stepped(tmp_path):
+    results = run_distributed(_outside_optimizer, 2, tmp_path, [1, 3], timeout=300)
+    for before, after in results[0].values():
+        for name in before:
+            moved = not torch.equal(before[name], after[name])
+            assert moved != name.startswith("blocks.0."), name
+
+
 # -- a checkpoint in the middle of a schedule ----------------------------------------------
 RESUME = ["freeze_then_unfreeze_keeps_state", "progressive_unfreezing"]
 SAVE_AFTER = 2  # steps before the save: step 1 froze (or had not yet unfrozen) parameters
