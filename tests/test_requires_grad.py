@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,14 +38,38 @@ def _offloaded(rank: int, world: int, stages: list[int]) -> dict:
     return out
 
 
-# stages 1 and 3 in the default suite (one launch), 2 with the slow set
-@pytest.mark.parametrize("stages", [[1, 3], pytest.param([2], marks=pytest.mark.slow)])
-def test_toggle_patterns_with_cpu_offload(tmp_path, stages):
-    """The host tier steps each unit during the boundary backward: skipped fragments are
-    left out of that unit step too."""
-    results = run_distributed(_offloaded, 2, tmp_path, stages, timeout=600)
+def _one_launch(rank: int, world: int, root: str) -> dict:
+    """Every default-suite case of this file in one launch (a launch costs seconds)."""
+    return {"offload": _offloaded(rank, world, [1, 3]),
+            "frozen_steps": _frozen_steps(rank, world, FROZEN_CASES),
+            "nvme": _nvme_refusals(rank, world, f"{root}/nvme"),
+            "outside": _outside_optimizer(rank, world, [1, 3]),
+            "resumed": _resumed(rank, world, f"{root}/ckpt"),
+            "gan": {stage: _gan_engines(rank, world, stage) for stage in (1, 3)}}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("requires_grad")
+    (root / "nvme").mkdir()
+    (root / "ckpt").mkdir()
+    return run_distributed(_one_launch, 2, root, str(root), timeout=900), root
+
+
+def _check_offloaded(results: list[dict], stages: list[int]) -> None:
     failures = [f for s in stages for f in check([r[s] for r in results], 2, s)]
     assert not failures, "\n".join(failures)
+
+
+def test_toggle_patterns_with_cpu_offload(launched):
+    """The host tier steps each unit during the boundary backward: skipped fragments are
+    left out of that unit step too (stages 1 and 3; 2 with the slow set)."""
+    _check_offloaded([r["offload"] for r in launched[0]], [1, 3])
+
+
+@pytest.mark.slow
+def test_toggle_patterns_with_cpu_offload_stage_2(tmp_path):
+    _check_offloaded(run_distributed(_offloaded, 2, tmp_path, [2], timeout=600), [2])
 
 
 def _frozen_steps(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
@@ -74,11 +99,13 @@ def _frozen_steps(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
     return out
 
 
-def test_frozen_fragments_skipped_with_16_bit_gradients(tmp_path):
-    cases = [(1, "none"), (3, "cpu")]
-    results = run_distributed(_frozen_steps, 2, tmp_path, cases, timeout=300)
-    for rank, per_rank in enumerate(results):
-        for case in cases:
+FROZEN_CASES = [(1, "none"), (3, "cpu")]
+
+
+def test_frozen_fragments_skipped_with_16_bit_gradients(launched):
+    for rank, results in enumerate(launched[0]):
+        per_rank = results["frozen_steps"]
+        for case in FROZEN_CASES:
             (v0, c0), (v1, c1), (v2, c2) = per_rank[case]
             for name in v0:  # frozen at step 1: not moved (no weight decay, no momentum)
                 assert torch.equal(v0[name], v1[name]), (rank, case, name)
@@ -100,16 +127,42 @@ def _nvme_refusals(rank: int, world: int, path: str) -> list[str]:
     return errors
 
 
-def test_nvme_refuses_a_changed_requires_grad(tmp_path):
+def test_nvme_refuses_a_changed_requires_grad(launched):
     """The NVMe tier steps whole tiles and makes its files at initialize: a clear error at
     the first backward, naming the parameters."""
-    errors = run_distributed(_nvme_refusals, 2, tmp_path, str(tmp_path), timeout=300)[0]
+    errors = launched[0][0]["nvme"]
     assert len(errors) == 2, errors
     assert errors[0].startswith("requires_grad is False for blocks.1.fc.weight, "
                                 "blocks.1.fc.bias, trainable at initialize"), errors[0]
     assert errors[1].startswith("requires_grad was set True after initialize for "
                                 "blocks.0.fc.weight, blocks.0.fc.bias, frozen at "
                                 "initialize"), errors[1]
+
+
+def _outside_optimizer(rank: int, world: int, stages: list[int]) -> dict:
+    """blocks.0 frozen at initialize and left out of model_parameters, then unfrozen: as in
+    plain torch it gets gradients but no optimizer ever steps it."""
+    logging.getLogger("meshzero").setLevel(logging.ERROR)
+    pattern = BY_NAME["unfrozen_after_initialize"]
+    out = {}
+    for stage in stages:
+        model = build(pattern)
+        given = [p for p in model.parameters() if p.requires_grad]
+        with meshzero.initialize(model=model, config=_config(pattern, stage),
+                                 model_parameters=given)[0] as engine:
+            before = engine.full_state_dict()
+            assert pattern.after_initialize is not None
+            pattern.after_initialize(model)
+            _steps(engine, model, pattern, rank, world, range(STEPS))
+            out[stage] = (before, engine.full_state_dict())
+    return out
+
+
+def test_unfrozen_parameter_outside_the_optimizer_is_never_stepped(launched):
+    for before, after in launched[0][0]["outside"].values():
+        for name in before:
+            moved = not torch.equal(before[name], after[name])
+            assert moved != name.startswith("blocks.0."), name
 
 
 # -- a checkpoint in the middle of a schedule ----------------------------------------------
@@ -158,8 +211,9 @@ def _resumed(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_resume_in_the_middle_of_a_schedule(tmp_path):
-    results = run_distributed(_resumed, 2, tmp_path, str(tmp_path), timeout=600)
+def test_resume_in_the_middle_of_a_schedule(launched, tmp_path):
+    results = [r["resumed"] for r in launched[0]]
+    saved_dir = launched[1] / "ckpt"
     for name in RESUME:
         want = reference(name, 2)
         for save_stage, load_stage in STAGE_PAIRS:
@@ -170,7 +224,7 @@ def test_resume_in_the_middle_of_a_schedule(tmp_path):
                                            msg=f"{name} {save_stage}->{load_stage} {pname}")
             # consolidated offline: the values at the save, frozen parameters included
             out = tmp_path / f"out-{name}-{save_stage}"
-            merged = load_file(consolidate(tmp_path / f"{name}-{save_stage}", out)[0])
+            merged = load_file(consolidate(saved_dir / f"{name}-{save_stage}", out)[0])
             for pname, value in got["saved"].items():
                 assert torch.equal(merged[pname], value), (name, save_stage, pname)
     # memory_report counts what a group made trainable after initialize holds: at step 1
@@ -277,11 +331,19 @@ def _gan_reference(world: int) -> dict:
     return {"g": g_model.state_dict(), "d": d_model.state_dict()}
 
 
-# stages 1 and 3 in the default suite, 0 and 2 with the slow set
-@pytest.mark.parametrize("stage", [1, 3, pytest.param(0, marks=pytest.mark.slow),
-                                   pytest.param(2, marks=pytest.mark.slow)])
-def test_gan_as_two_engines(tmp_path, stage):
-    results = run_distributed(_gan_engines, 2, tmp_path, stage, timeout=300)
+def test_gan_as_two_engines(launched):
+    """Stages 1 and 3 (0 and 2 with the slow set)."""
+    for stage in (1, 3):
+        _check_gan([r["gan"][stage] for r in launched[0]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gan_as_two_engines_stages_0_and_2(tmp_path, stage):
+    _check_gan(run_distributed(_gan_engines, 2, tmp_path, stage, timeout=300))
+
+
+def _check_gan(results: list[dict]) -> None:
     want = _gan_reference(2)
     for rank, got in enumerate(results):
         assert got["steps"] == (GAN_STEPS, GAN_STEPS)
