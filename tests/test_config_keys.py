@@ -44,8 +44,7 @@ def test_keys_deepspeed_reads_are_never_ignored() -> None:
     assert config.warnings == () and len(config.hints) == 2
     refused = {"gradient_allreduce_op": "sum", "managed_gradient_accumulation": False,
                "quantize_training": {"enabled": True}, "comet": {"enabled": True},
-               "expert_parallel": {"enabled": True},
-               "seq_parallel_communication_data_type": "bf16"}
+               "expert_parallel": {"enabled": True}}
     with pytest.raises(ConfigError) as info:
         load_config(refused)
     message = str(info.value)

@@ -481,8 +481,9 @@ class _HFLike(torch.nn.Module):
         return input_ids
 
 
-def test_inputs_are_cut_with_positions_labels_and_masks():
-    """What a rank's forward gets (no communication: rank 1 of a group of 2)."""
+def test_inputs_are_cut_with_positions_labels_and_masks(no_default_group):
+    """What a rank's forward gets (no communication: rank 1 of a group of 2; group None must
+    not fall back on a default group an earlier in-process test left behind)."""
     sp = SequenceParallel(None, 2, 1)
     model = GPT(GPT_CFG)
     ids = torch.arange(16).view(2, 8)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 # TrainingArguments' defaults, which the Trainer writes into the "auto" keys it fills
 TRAINING_ARGUMENTS = {"learning_rate": 5e-5, "adam_beta1": 0.9, "adam_beta2": 0.999,
                       "adam_epsilon": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0,
@@ -222,11 +224,10 @@ def _hidden_size(model: Any) -> int | None:
 
 
 def _dtype(model: Any) -> str | None:
-    parameters = getattr(model, "parameters", None)
-    if not callable(parameters):
-        return None  # a factory: its parameters do not exist yet
+    if not isinstance(model, torch.nn.Module):
+        return None  # a factory (a class or a function): its parameters do not exist yet
     names = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
-    for param in parameters():
+    for param in model.parameters():
         if param.is_floating_point():
             return names.get(str(param.dtype), "fp32")
     return None

@@ -71,7 +71,10 @@ def use_ulysses(model: nn.Module) -> bool:
     switch: Any = getattr(model, "set_attn_implementation", None)
     if not hasattr(config, "_attn_implementation") or not callable(switch):
         return False
-    from transformers import AttentionInterface
+    try:  # a model with transformers' attention switch: transformers is installed
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
     if config._attn_implementation != ATTN_IMPLEMENTATION:

@@ -96,23 +96,7 @@ class ZeroModelState:
             self.groups, comm, stage=stage, allgather_bucket_numel=options.allgather_bucket_numel,
             tier=self.tier)
         self.tier.attach(self.units, self.optim_state)
-        # every collective entry point posts its phase here first (faults/phase.py); at
-        # stage 3 the unit-order check rides on it: [count, units..., -1 padding]
-        self.phases = PhaseCheck(
-            order_check_communicator(comm, options.group_timeout), comm.stats, device,
-            payload=len(self.layout.units) + 1 if stage == 3 else 0,
-            unit_names=[u.path or "<root>" for u in self.layout.units])
-        self.sharder: ParameterSharder | None = None
-        if stage == 3:
-            self.sharder = ParameterSharder(
-                [model.get_submodule(u.path) for u in self.layout.units], self.units, comm,
-                self.memory, prefetch_numel=options.prefetch_numel,
-                max_live_numel=options.max_live_numel,
-                max_reuse_distance=options.max_reuse_distance,
-                phases=self.phases,
-                shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
-                unit_names=[u.path or "<root>" for u in self.layout.units],
-            )
+        self.phases, self.sharder = self._build_sharder(secondary_comm)
         self.reducer = GradientReducer(
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
             bucket_numel=options.reduce_bucket_numel, on_unit_ready=self._on_unit_ready,
@@ -128,6 +112,26 @@ class ZeroModelState:
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
+
+    def _build_sharder(self, secondary_comm: Communicator | None,
+                       ) -> tuple[PhaseCheck, ParameterSharder | None]:
+        """The phase check every collective entry point posts to first (faults/phase.py; at
+        stage 3 the unit-order check rides on it: [count, units..., -1 padding]) and, at
+        stage 3, the sharder that gathers and releases units."""
+        options, comm, stage = self.options, self.comm, self.options.stage
+        names = [u.path or "<root>" for u in self.layout.units]
+        phases = PhaseCheck(
+            order_check_communicator(comm, options.group_timeout), comm.stats, self.device,
+            payload=len(self.layout.units) + 1 if stage == 3 else 0, unit_names=names)
+        if stage != 3:
+            return phases, None
+        return phases, ParameterSharder(
+            [self.model.get_submodule(u.path) for u in self.layout.units], self.units, comm,
+            self.memory, prefetch_numel=options.prefetch_numel,
+            max_live_numel=options.max_live_numel,
+            max_reuse_distance=options.max_reuse_distance, phases=phases,
+            shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
+            unit_names=names)
 
     def _build_units(
         self, materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
