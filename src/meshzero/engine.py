@@ -19,10 +19,11 @@ from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
+from meshzero.config.load import log_accepted
 from meshzero.faults import StepGuard
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
-from meshzero.precision import autocast
+from meshzero.precision import autocast, cast_inputs
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.session import EngineProfiling
@@ -30,17 +31,6 @@ from meshzero.topology import Topology
 from meshzero.zero.state import ZeroModelState
 
 logger = logging.getLogger(__name__)
-
-
-def _cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in (nested) args to the compute dtype, like FSDP's cast_forward_inputs."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple | list):
-        return type(obj)(_cast_inputs(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_inputs(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def _counter(name: str) -> property:
@@ -93,7 +83,7 @@ class Engine(nn.Module):
         self.compute_dtype = config.compute_dtype
         self.global_batch, self.micro_batch, self.grad_accum = built.batch
         self.monitor = Monitor.from_config(config, built.topology.rank)
-        self._log_accepted(config)
+        log_accepted(config)
         self.comm_stats = built.comms.stats
         self.comm_stats.group_holders += [h for h in (built.topology, built.pipeline) if h]
         self.dp_comm = built.comms.dp
@@ -131,21 +121,6 @@ class Engine(nn.Module):
     global_steps = _counter("global_steps")
     micro_steps = _counter("micro_steps")
     skipped_steps = _counter("skipped_steps")
-
-    @staticmethod
-    def _log_accepted(config: Config) -> None:
-        """One INFO line for the DeepSpeed hints the config holds, one for deprecations, one
-        per "auto" resolved (the log's rank filter keeps them to rank 0), and one WARNING per
-        key read and ignored."""
-        if config.hints:
-            logger.info("accepted DeepSpeed keys that change nothing here: %s",
-                        "; ".join(config.hints))
-        if config.deprecations:
-            logger.info("deprecated DeepSpeed spellings: %s", "; ".join(config.deprecations))
-        for line in config.auto_resolved:  # one line per "auto" filled (config.auto)
-            logger.info("%s", line)
-        for line in config.warnings:
-            logger.warning("%s", line)
 
     # -- DeepSpeed-style accessors ---------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -227,7 +202,7 @@ class Engine(nn.Module):
         self.profiling.set_phase("forward")
         t0 = time.perf_counter()
         if self.compute_dtype != torch.float32:
-            args, kwargs = _cast_inputs(args, self.compute_dtype), _cast_inputs(
+            args, kwargs = cast_inputs(args, self.compute_dtype), cast_inputs(
                 kwargs, self.compute_dtype)
         with self.zero.start_forward(), autocast(self.config.torch_autocast.enabled, self.device):
             sp = self.sequence_parallel  # Ulysses: runs this rank's sequence chunk

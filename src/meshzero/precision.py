@@ -80,3 +80,14 @@ def autocast(enabled: bool, device: torch.device) -> AbstractContextManager[Any]
     if not enabled:
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def cast_inputs(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in (nested) args to the compute dtype, like FSDP's cast_forward_inputs."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(cast_inputs(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_inputs(v, dtype) for k, v in obj.items()}
+    return obj

@@ -2,6 +2,7 @@
 `ConfigError` listing every problem out."""
 
 import copy
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,8 @@ from meshzero.config.compat import drop_auto, normalize
 from meshzero.config.errors import ConfigError, auto_message, describe, read_json, report
 from meshzero.config.ignored import drop_ignored
 from meshzero.config.schema import Config
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
@@ -64,3 +67,18 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
 def _about_auto(line: str, auto: list[str]) -> bool:
     """A schema complaint caused by removing an "auto" key (a required key now missing)."""
     return "required" in line and any(key.split("[")[0] in line for key in auto)
+
+
+def log_accepted(config: Config) -> None:
+    """One INFO line for the DeepSpeed hints the config holds, one for deprecations, one
+    per "auto" resolved (the log's rank filter keeps them to rank 0), and one WARNING per
+    key read and ignored."""
+    if config.hints:
+        logger.info("accepted DeepSpeed keys that change nothing here: %s",
+                    "; ".join(config.hints))
+    if config.deprecations:
+        logger.info("deprecated DeepSpeed spellings: %s", "; ".join(config.deprecations))
+    for line in config.auto_resolved:  # one line per "auto" filled (config.auto)
+        logger.info("%s", line)
+    for line in config.warnings:
+        logger.warning("%s", line)
