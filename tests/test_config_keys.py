@@ -190,3 +190,15 @@ def test_autotp_loaded_alone_trains_as_the_unsharded_model(run_ranks) -> None:
     for plan, losses in run_ranks(_autotp_rank, 2):
         assert plan == "hf_gpt2"
         assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_zenflow_is_a_clear_refusal() -> None:
+    """ZenFlow changes the update by design and is not built: refused by name, not as a
+    misspelling of another zero_optimization key."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"},
+            "zenflow": {"topk_ratio": 0.05, "update_interval": 4}}})
+    message = str(info.value)
+    assert "'zero_optimization.zenflow' asks for a DeepSpeed feature" in message
+    assert "ZenFlow" in message and "did you mean" not in message

@@ -23,6 +23,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
+    "zero_optimization.zenflow": "ZenFlow (top-k gradient columns stepped on the GPU, the rest "
+                                 "on the CPU every update_interval steps); "
+                                 "offload_optimizer cpu steps every unit every step",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
     "scheduler.params.last_batch_iteration": "resume through the checkpoint instead",
     "gradient_allreduce_op": "'sum' adds the data-parallel gradients instead of averaging",

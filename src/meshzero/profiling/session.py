@@ -15,6 +15,7 @@ from the steps so far (``headline_final`` false).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from meshzero.profiling.monitor import Event
@@ -36,7 +37,9 @@ class EngineProfiling:
     :meth:`close_step` and :meth:`close`; ``report`` is ``engine.last_profile``."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
+        # a proxy, not a reference: the engine owns this, and a cycle would keep a dropped
+        # engine (and its NVMe files) alive until the garbage collector runs
+        self.engine = weakref.proxy(engine)
         self.config = engine.config.flops_profiler
         self.clock = StepClock(timeline_for(engine.device),
                                keep=max(64, 2 * self.config.headline_steps + 2))
