@@ -226,7 +226,13 @@ class GradientReducer:
         self.in_backward = False
 
     def _finish_completed(self) -> None:
-        """Finish the reductions at the head of the queue that are already done (no wait)."""
+        """Finish the reductions at the head of the queue that are already done (no wait).
+        Not with a replica group (MiCS): a finish then waits on an all-reduce over another
+        group, and finishing whenever a poll happens to see completion would put that wait
+        at a point that differs between ranks (a wait cycle with the stage-3 order check of
+        the shard group); those finish at the fixed points (bucket cap, drain)."""
+        if self.replica_comm is not None:
+            return
         while self.inflight and self.inflight[0][0].completed():
             self._finish_oldest()
 
