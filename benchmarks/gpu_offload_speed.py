@@ -87,7 +87,27 @@ def memcpy_kinds(trace_path: str) -> dict[str, int]:
     return out
 
 
-def _profiled_step(step, device: torch.device) -> dict[str, int]:
+def _keep_trace(path: str, prof, label: str) -> None:
+    """With ``MESHZERO_OFFLOAD_DIAG`` set to a folder: the profiled step's top operations
+    (appended to ``offload_ops.txt``) and, for the offload cases, its gzipped chrome trace."""
+    out = os.environ.get("MESHZERO_OFFLOAD_DIAG")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "offload_ops.txt"), "a") as f:
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            f.write(f"== {label}, by {key}\n")
+            f.write(prof.key_averages().table(sort_by=key, row_limit=18) + "\n")
+    if "none none" not in label:
+        import gzip
+        import shutil
+
+        with open(path, "rb") as src, gzip.open(os.path.join(out, f"trace_{label.replace(' ', '_')}"
+                                                             ".json.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
+def _profiled_step(step, device: torch.device, label: str = "") -> dict[str, int]:
     """One step under torch.profiler (CUDA): its memcpy events by kind."""
     if device.type != "cuda":
         step()
@@ -99,6 +119,7 @@ def _profiled_step(step, device: torch.device) -> dict[str, int]:
     with tempfile.TemporaryDirectory(prefix="meshzero_offload_speed_") as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
+        _keep_trace(path, prof, label)
         return memcpy_kinds(path)
 
 
@@ -125,7 +146,9 @@ def run_case(base: torch.nn.Module, spec: ModelSpec, device: torch.device, case:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     report = engine.transfer_report()
-    kinds = _profiled_step(step, device)
+    stage, opt, param, clip = case
+    kinds = _profiled_step(step, device, f"z{stage} {opt} {param}"
+                           f"{' clip' if clip else ''}")
     engine.close()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -25,7 +25,8 @@ through a temporary, inside backward) and never blocks the training thread:
 Without CUDA the device is the CPU: the same calls copy synchronously, ``then`` runs at
 once, and the counters count the copies between the device and host tiers, so tests can
 hold them to the formula. With ``MESHZERO_OFFLOAD_COPIES=thread`` the copies run later on a
-thread instead (:class:`ThreadStream`), so the CPU exercises the asynchronous path.
+thread instead (:class:`ThreadStream`), so the CPU exercises the asynchronous path; with
+``MESHZERO_OFFLOAD_COPIES=sync`` CUDA copies block instead (to tell a fault of the overlap).
 """
 
 from __future__ import annotations
@@ -185,10 +186,12 @@ class Transfers:
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = pin
+        mode = os.environ.get("MESHZERO_OFFLOAD_COPIES", "")
         if simulate is None:
-            simulate = os.environ.get("MESHZERO_OFFLOAD_COPIES") == "thread"
+            simulate = mode == "thread"
         self.threads = ThreadStream() if simulate and not self.cuda else None
-        self.asynchronous = self.cuda or self.threads is not None
+        # "sync": blocking copies on CUDA too (a diagnosis: does a fault follow the overlap?)
+        self.asynchronous = (self.cuda and mode != "sync") or self.threads is not None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._compute = torch.cuda.current_stream(device) if self.cuda else None
         self.staging = StagingPool(pin)
