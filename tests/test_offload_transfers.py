@@ -231,3 +231,56 @@ def test_asynchronous_copies_on_a_thread_bit_identical(tmp_path):
             base = per_rank[(name, stage, "none")]
             for key, t in params.items():
                 assert torch.equal(t, base[key]), (name, stage, opt, key)
+
+
+def _backward_on_another_thread(rank: int, world_size: int, path: str) -> dict:
+    """Forward on this thread, backward on another, as autograd runs backward on CUDA: its
+    hooks (stage 3 gathers each unit's shards again) issue host -> device copies from a
+    thread that is neither the training thread nor one of ours. Copies run on a thread and
+    late (each waits 20 ms), so a copy compute does not wait for is seen as a wrong value."""
+    import os
+    import threading
+    import time
+
+    from meshzero.zero.offload import transfer
+
+    timed_copy = transfer._timed_copy
+
+    def late_copy(dst, src):
+        time.sleep(0.02)
+        return timed_copy(dst, src)
+
+    out = {}
+    for mode in ("sync", "thread"):
+        os.environ["MESHZERO_OFFLOAD_COPIES"] = mode
+        transfer._timed_copy = late_copy
+        try:
+            zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"}}
+            cfg = zero_config(3, global_batch=8, zero_optimization=zero)
+            model = build_model("mlp")
+            engine, *_ = meshzero.initialize(model=model, config=cfg)
+            loss_fn = loss_fn_for(model)
+            for batch in make_batches("mlp", 3, engine.train_batch_size(), 0):
+                x, y = split_for_rank(batch, rank, world_size, 1, 0)
+                loss = loss_fn(engine(x).float(), y)
+                backward = threading.Thread(target=engine.backward, args=(loss,),
+                                            name="autograd-device-thread")
+                backward.start()
+                backward.join()
+                engine.step()
+            out[mode] = engine.full_state_dict()
+            engine.close()
+        finally:
+            transfer._timed_copy = timed_copy
+            os.environ.pop("MESHZERO_OFFLOAD_COPIES")
+    return out
+
+
+def test_copies_issued_by_backward_on_another_thread_are_joined(tmp_path):
+    """Copies issued by a compute thread that is not the training thread (autograd's device
+    thread on CUDA) are waited for by compute (the first GPU run found stage 3 with
+    offload_param reading shards that had not crossed yet: non-finite gradients)."""
+    for runs in run_distributed(_backward_on_another_thread, 2, tmp_path, str(tmp_path)):
+        for key, t in runs["thread"].items():
+            assert torch.equal(t, runs["sync"][key]), key

@@ -43,6 +43,14 @@ from typing import Any
 import torch
 
 DIRECTIONS = ("d2h", "h2d", "nvme_read", "nvme_write")
+WORKERS = "meshzero-"  # the name prefix of every thread of ours (steps, copies, file I/O)
+
+
+def on_compute() -> bool:
+    """Whether the calling thread issues compute: the training thread, and also autograd's
+    device thread, which runs backward's hooks (stage 3 gathers a unit's shards there) on
+    CUDA. Only meshzero's own worker threads are not: their copies join compute later."""
+    return not threading.current_thread().name.startswith(WORKERS)
 
 
 class UnitStepper:
@@ -57,7 +65,7 @@ class UnitStepper:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="meshzero-step")
+                                                thread_name_prefix=WORKERS + "step")
             self._futures.append(self._pool.submit(fn))
 
     @property
@@ -152,7 +160,7 @@ class ThreadStream:
     Compute is the host here: joining it waits for the copy."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshzero-copy")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=WORKERS + "copy")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> ThreadEvent:
         return ThreadEvent(self._pool.submit(_timed_copy, dst, src))
@@ -198,7 +206,6 @@ class Transfers:
         self.worker = UnitStepper()
         self._stats = {d: DirectionStats() for d in DIRECTIONS}
         self._lock = threading.Lock()
-        self._main = threading.get_ident()  # the training thread: its waits are exposed
         # copies in flight on CUDA: (end event, what to hold or give back until it is done)
         self._inflight: deque[tuple[Any, tuple, Callable[[], None] | None]] = deque()
         self._timed: list[tuple[str, Callable[[], float]]] = []
@@ -244,8 +251,8 @@ class Transfers:
         runs once ``src`` may be reused. On CUDA a conversion is done on the host into a
         staging buffer of ``dst``'s dtype (never a temporary: torch converts a blocking
         cross-device copy through pageable memory), which then crosses on the copy stream.
-        Issued by the training thread, compute waits for it at once (on the GPU); from the
-        worker, at :meth:`join_compute`."""
+        Issued by a compute thread (:func:`on_compute`: the training thread or autograd's),
+        compute waits for it at once (on the GPU); from a worker, at :meth:`join_compute`."""
         if not self.asynchronous:
             self._copy_now("h2d", dst, src)
             if release is not None:
@@ -259,7 +266,7 @@ class Transfers:
                 release()
             release = lambda: self.staging.give(host)  # noqa: E731
         self._copy_async("h2d", dst, host, release=release)
-        if threading.get_ident() == self._main:
+        if on_compute():
             self.join_compute()
 
     def _copy_now(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -340,9 +347,9 @@ class Transfers:
             self._compute_stream().wait_event(end)
 
     def _compute_stream(self) -> torch.cuda.Stream:
-        """The training thread's current stream (the worker's own current stream is the
-        default one: it must order against the stream the training thread computes on)."""
-        if threading.get_ident() == self._main:
+        """A compute thread's current stream (a worker's own current stream is the default
+        one: it must order against the stream compute last ran on)."""
+        if on_compute():
             self._compute = torch.cuda.current_stream(self.device)
         assert self._compute is not None  # on CUDA only
         return self._compute
@@ -359,7 +366,7 @@ class Transfers:
 
     def _count(self, direction: str, nbytes: int, seconds: float, pinned: bool,
                exposed: float | None = None) -> None:
-        on_main = threading.get_ident() == self._main
+        on_main = on_compute()
         with self._lock:
             s = self._stats[direction]
             s.bytes += nbytes
@@ -370,9 +377,9 @@ class Transfers:
                 s.exposed_seconds += seconds if exposed is None else exposed
 
     def _expose(self, seconds: float, direction: str) -> None:
-        """The training thread waited ``seconds`` for copies (a wait for everything is
+        """A compute thread waited ``seconds`` for copies (a wait for everything is
         charged to d2h: the host waits for gradients to land before it reads them)."""
-        if threading.get_ident() == self._main:
+        if on_compute():
             with self._lock:
                 self._stats[direction].exposed_seconds += seconds
 
