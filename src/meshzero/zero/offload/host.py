@@ -95,6 +95,7 @@ class HostTier(Tier):
         compute parameters while backward goes on."""
         with torch.no_grad():
             groups = [g for g in self.units[unit] if g.trainable]
+            self.fresh_grads(groups)
             # never write inf/nan into the master: the engine agrees on the refusal
             if self._refused or self._nonfinite(groups):
                 self._refused += 1
@@ -118,8 +119,12 @@ class HostTier(Tier):
         the exact host scan."""
         norms = self._norms or {}
         taken = [norms[id(g)] for g in groups if id(g) in norms]
-        if taken and len(taken) == len(groups) and bool(torch.isfinite(torch.stack(taken)).all()):
-            return False
+        if taken and len(taken) == len(groups):
+            # read on the copy stream, which took the gradients after their norms: reading
+            # on this thread's (default) stream would wait for all of backward queued so far
+            with self.transfers.on_copy_stream():
+                if bool(torch.isfinite(torch.stack(taken)).all()):
+                    return False
         grads = [g.grad for g in groups if g.grad is not None]
         return bool(grads) and scan_grads(grads, need_norm=False)[1].item() > 0
 
@@ -127,6 +132,7 @@ class HostTier(Tier):
         stepped = self._step_scale is not None
         self._step_scale = None
         self.transfers.wait()  # the unit steps, then every copy
+        self.fresh_grads()
         self.transfers.join_compute()  # compute reads the parameters the steps wrote
         return stepped
 

@@ -245,6 +245,8 @@ class Tier(ABC):
         rounding as an add on the device)."""
         grad = group.grad
         assert grad is not None, "an in-memory tier keeps every gradient shard"
+        if group.grad_stale:  # it stands for zeros: the sum is this gradient
+            group.grad_stale, accumulate = False, False
         if accumulate:
             self._norms = None  # the norm of a sum: read from the host after all
             self.transfers.to_host_staged(out, grad.add_)
@@ -322,7 +324,14 @@ class Tier(ABC):
         gradients are complete after it); True if the tier stepped units then (all of
         them, unless :meth:`unit_step_outcome` counts refusals)."""
         self.transfers.wait()
+        self.fresh_grads()
         return False
+
+    def fresh_grads(self, groups: list[FlatGroup] | None = None) -> None:
+        """Zero the gradient shards that stand for zeros (no gradient reached them since the
+        last step), before the step reads them; ``groups``: those only (default: all)."""
+        for g in groups if groups is not None else [g for gs in self.units for g in gs]:
+            g.fresh_grad()
 
     # whether reduced gradients cross to host buffers (the reducer then never reduces into
     # the gradient shard directly, even where the device is the CPU)

@@ -31,6 +31,7 @@ thread instead (:class:`ThreadStream`), so the CPU exercises the asynchronous pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -332,6 +333,13 @@ class Transfers:
                 release()
 
     # -- ordering --------------------------------------------------------------------------
+    def on_copy_stream(self) -> Any:
+        """A context in which work queues on the copy stream (CUDA; else nothing changes):
+        a read of values the copies already waited for, without waiting for compute."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
     def join_compute(self) -> None:
         """Compute waits (on the GPU, not the host) for the host -> device copies issued so
         far; a no-op on CPU."""
