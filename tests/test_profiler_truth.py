@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import meshzero
 from meshzero.profiling import get_model_profile
-from meshzero.profiling.flops import FlopCounter
+from meshzero.profiling.marks import CpuMarks, ModuleTimer
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import PEAK_FLOPS, device_peak_flops, table_peak
 from meshzero.profiling.report import seconds
@@ -40,38 +40,63 @@ from tests.profiler_models import CheckpointStack, linear_only
 PEAK = 1e9
 
 
-# --- the timeline: one wait per read, never per module -------------------------------------------
-class CountingTimeline(CpuTimeline):
-    """The CUDA timeline's contract on CPU: marks are cheap, reading waits."""
+# --- the timer: cheap marks, read once ---------------------------------------------------------
+class CountingMarks(CpuMarks):
+    """The CUDA marks' contract on CPU: marking is cheap, reading waits (once)."""
 
     def __init__(self) -> None:
-        self.marks = self.waits = 0
+        super().__init__()
+        self.reads = 0
 
-    def mark(self) -> float:
-        self.marks += 1
-        return super().mark()
-
-    def wait(self, mark: float) -> None:
-        self.waits += 1
+    def read(self) -> list[float]:
+        self.reads += 1
+        return super().read()
 
 
-def test_module_timing_marks_without_waiting_and_reads_once():
+def test_module_timer_marks_without_waiting_and_reads_once():
+    model = nn.Sequential(linear_only((8, 16, 12)), nn.Linear(12, 4))  # root, 0 (0.0, 0.1), 1
+    marks = CountingMarks()
+    timer = ModuleTimer(model, marks)
+    assert timer.backward_paths == {"", "0", "1"}  # top level only (and the root)
+    timer.register()
+    model(torch.randn(3, 8)).sum().backward()  # not armed: hooks registered, no marks
+    assert marks.times == [] and timer.tags == []
+    timer.arm()
+    timer.set_phase("forward")
+    out = model(torch.randn(3, 8))
+    timer.set_phase("backward")
+    out.sum().backward()
+    timer.set_phase("step")
+    timer.stop()
+    assert marks.reads == 0  # nothing read while the step ran
+    # forward: enter + exit of 5 modules; backward: enter + exit of "1", the enter of "0"
+    # and of the root (their inputs need no grad: they end with backward); 3 phases, the end
+    # of backward, the last mark
+    assert len(marks.times) == 10 + 4 + 3 + 1 + 1
+    timer.read()
+    assert marks.reads == 1
+    fwd, bwd = timer.latency["forward"], timer.latency["backward"]
+    assert set(fwd) == {"", "0", "0.0", "0.1", "1"} and set(bwd) == {"", "0", "1"}
+    assert all(v > 0 for v in (*fwd.values(), *bwd.values()))
+    assert fwd[""] >= fwd["0"] >= fwd["0.0"] and bwd[""] >= bwd["0"]
+    assert set(timer.phase_latency) == {"forward", "backward", "step"}
+    model(torch.randn(3, 8)).sum().backward()  # stopped: the hooks are gone
+    assert marks.times == [] and timer.tags == []
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_module_timer_backward_of_every_module_when_asked():
     model = linear_only((8, 16, 12, 4))
-    timeline = CountingTimeline()
-    counter = FlopCounter(model, timeline)
-    counter.start()
-    model(torch.randn(3, 8)).sum().backward()
-    counter.set_phase("step")
-    assert timeline.waits == 0  # nothing waited while the step ran
-    counter.stop()
-    assert timeline.waits == 1
-    # forward: enter and exit of the root and 3 layers; backward: the same, some scopes
-    # closed together at the end of backward by one mark
-    assert 8 < timeline.marks <= 17
-    for path in ("", "0", "1", "2"):
-        assert counter.latency["forward"][path] > 0
-        assert counter.latency["backward"][path] > 0
-    assert counter.latency["forward"][""] >= counter.latency["forward"]["0"]
+    timer = ModuleTimer(model, CpuMarks(), backward_paths=frozenset({"0", "1", "2"}))
+    timer.register()
+    timer.arm()
+    timer.set_phase("forward")
+    out = model(torch.randn(3, 8))
+    timer.set_phase("backward")
+    out.sum().backward()
+    timer.stop()
+    timer.read()
+    assert set(timer.latency["backward"]) == {"", "0", "1", "2"}
 
 
 def test_step_clock_steady_steps_skip_step_0_and_the_profiled_step():
@@ -144,7 +169,7 @@ def _timed_run(model: nn.Module, cfg: dict, steps: int, rows: int, dim: int
 def _outside_vs_headline(rank: int, world: int) -> dict:
     cfg = zero_config(3, global_batch=32 * world, flops_profiler={
         "enabled": True, "profile_step": 2, "headline_steps": 3, "peak_flops": PEAK})
-    engine, outside, text = _timed_run(_wide(), cfg, 5, 32, 384)
+    engine, outside, text = _timed_run(_wide(), cfg, 6, 32, 384)
     r = engine.last_profile
     return {"outside": outside, "steps": r.headline_steps, "latency": r.iter_latency_s,
             "final": r.headline_final, "printed": text.count("meshzero profile of step 2"),
@@ -156,11 +181,11 @@ def _outside_vs_headline(rank: int, world: int) -> dict:
 def test_headline_is_the_steady_state_an_outside_timer_sees(tmp_path, world_size):
     results = run_distributed(_outside_vs_headline, world_size, tmp_path, timeout=300)
     for rank, r in enumerate(results):
-        # the last 3 unprofiled steps after step 0 (warm-up), around the profiled step 2:
-        # final, and printed once, when they exist
-        assert r["steps"] == [1, 3, 4] and r["final"], r
+        # the last 3 unprofiled steps after step 0 (warm-up), step 1 (counts FLOPs) and the
+        # profiled step 2: final, and printed once, when they exist
+        assert r["steps"] == [3, 4, 5] and r["final"], r
         assert r["printed"] == (1 if rank == 0 else 0)
-        assert "median of 3 unprofiled step(s), steps 1, 3, 4" in r["source"]
+        assert "median of 3 unprofiled step(s), steps 3, 4, 5" in r["source"]
         outside = sorted(r["outside"][s] for s in r["steps"])[1]
         assert r["latency"] == pytest.approx(outside, rel=0.10), (rank, r)
         assert r["samples"] == pytest.approx(r["batch"] / r["latency"])
@@ -175,7 +200,7 @@ def _overhead(rank: int, world: int, attempts: int) -> list[tuple[float, str]]:
         cfg = zero_config(3, global_batch=64, flops_profiler={
             "enabled": True, "profile_step": 2, "headline_steps": 3})
         # ops of ~10 ms: the counting mode's cost per op (a Python call) stays small
-        engine, _, text = _timed_run(_wide(768, 3072, 3), cfg, 5, 64, 768)
+        engine, _, text = _timed_run(_wide(768, 3072, 3), cfg, 6, 64, 768)
         seen.append((engine.last_profile.profiled_step_overhead, text))
         engine.close()
         if seen[-1][0] <= 1.10:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 from meshzero.profiling.monitor import Event
@@ -47,39 +48,55 @@ class EngineProfiling:
         self.report: ProfileReport | None = None
         self.pending = False  # a report whose headline still waits for steps
 
-    # -- the hot path: a mark per step, hooks only in the profiled one -------------------------
+    # -- the hot path: a mark per step; hooks only in steps P-1 (counting) and P (timed) ---------
+    def _profiled(self, step: int) -> bool:
+        """Step P, and P-1, which counts its FLOPs: neither enters a headline."""
+        p = self.config.profile_step
+        return self.config.enabled and p >= 0 and step in (p - 1, p)
+
     def open_step(self, step: int, args: tuple, kwargs: dict) -> None:
         self.clock.open()
-        if self.config.enabled and step == self.config.profile_step:
-            self.profiler = StepProfiler(self.engine, step, self.clock.timeline)
-            self.profiler.start(args, kwargs)
+        if not self._profiled(step):
+            return
+        p = self.config.profile_step
+        if self.profiler is None:
+            self.profiler = StepProfiler(self.engine, p)
+        if step == p - 1:
+            self.profiler.start_counting(step, args, kwargs)
+        else:
+            self.profiler.start_timing(args, kwargs)
 
     def set_phase(self, phase: str) -> None:
         if self.profiler is not None:
-            self.profiler.counter.set_phase(phase)
+            self.profiler.set_phase(phase)
 
     def end_backward(self) -> None:
         if self.profiler is not None:
-            self.profiler.counter.end_backward()
+            self.profiler.end_backward()
 
     def close_step(self, step: int) -> None:
-        """The end of optimizer step ``step``: its clock mark, then the report's work."""
-        profiled = self.profiler is not None
-        self.clock.close(step, profiled)
-        if self.profiler is not None:
+        """The end of optimizer step ``step``: its clock mark, then the profiler's work."""
+        self.clock.close(step, self._profiled(step))
+        if self.profiler is None:
+            if self.pending and self._enough():
+                self._headline(final=True)
+        elif step == self.config.profile_step - 1:
+            self.profiler.stop_counting()  # and registers step P's timer, outside step P
+        elif step == self.config.profile_step:
             t0 = time.perf_counter()
-            self.report = self.profiler.finish(self.clock.steps[-1], self.clock)
-            self.report.report_build_s = time.perf_counter() - t0
+            report = self.profiler.finish(self.clock.steps[-1], self.clock)
+            self.report = replace(report, report_build_s=time.perf_counter() - t0)
             self.profiler = None
             self.pending = True
             self._headline(final=self._enough())
             if self.pending:  # a JSON file exists from the profiled step on
                 write_report(self.report, self.config.output_file, show=False)
-        elif self.pending and self._enough():
-            self._headline(final=True)
 
     def close(self) -> None:
         """The engine closes: a pending report takes the steps there are."""
+        if self.profiler is not None:  # closed between steps P-1 and P: nothing to report
+            self.profiler.stop()
+            self.profiler = None
         if self.pending:
             self._headline(final=True)
 
