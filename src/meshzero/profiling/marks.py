@@ -141,9 +141,9 @@ class ModuleTimer:
             if self.armed:
                 tags.append(code + _FWD_IN)
                 mark()
-                if backward and self.phase != "backward" and torch.is_grad_enabled():
-                    if inputs := _tensors(args):
-                        on_first_grad(inputs, exit_backward, handles)
+                if (backward and self.phase != "backward" and torch.is_grad_enabled()
+                        and (inputs := _tensors(args))):
+                    on_first_grad(inputs, exit_backward, handles)
         return pre
 
     def _post_hook(self, code: int, backward: bool):
@@ -154,9 +154,9 @@ class ModuleTimer:
             if self.armed:
                 tags.append(code + _FWD_OUT)
                 mark()
-                if backward and self.phase != "backward" and torch.is_grad_enabled():
-                    if outputs := _tensors(output):
-                        on_first_grad(outputs, enter_backward, handles)
+                if (backward and self.phase != "backward" and torch.is_grad_enabled()
+                        and (outputs := _tensors(output))):
+                    on_first_grad(outputs, enter_backward, handles)
         return post
 
     def _marker(self, code: int):
@@ -187,7 +187,7 @@ class ModuleTimer:
             self.tags.append(_END_BACKWARD)
             self.marks.mark()
 
-    # -- after the step -----------------------------------------------------------------------------
+    # -- after the step --------------------------------------------------------------------------
     def stop(self) -> None:
         """The last mark (it ends the last phase), then the hooks go."""
         self.end_backward()

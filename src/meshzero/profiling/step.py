@@ -89,33 +89,48 @@ def tokens_per_sample(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def module_rows(root: nn.Module, counter: FlopCounter, timer: ModuleTimer,
-                held: dict[int, int]) -> list[ModuleRow]:
-    """One row per module: params of the model and held by this rank, FLOPs (from the
-    counting step) and latency (from the timed step; backward only for the timer's
-    ``backward_paths``, else None). ``held`` maps id(param) -> elements of it this rank holds
-    at rest. A container never called itself (a ModuleList) shows the sum of its children."""
-    rows: dict[str, ModuleRow] = {}
-    fwd_s, bwd_s = timer.latency["forward"], timer.latency["backward"]
-    for path, module in reversed(list(root.named_modules())):  # children before parents
+def module_rows(root: nn.Module, counter: FlopCounter, held: dict[int, int]
+                ) -> tuple[list[ModuleRow], dict[str, list[str]]]:
+    """One row per module, in tree order: params of the model and held by this rank, and
+    FLOPs; latencies are filled in by :func:`time_rows`. ``held`` maps id(param) -> elements
+    of it this rank holds at rest. Also, for each container never called itself (a
+    ModuleList), its children's paths: its row shows their sum."""
+    rows: list[ModuleRow] = []
+    sums: dict[str, list[str]] = {}
+    for path, module in root.named_modules():
         params = list(module.parameters())  # deduplicated: a shared parameter counts once
-        row = ModuleRow(
+        rows.append(ModuleRow(
             path=path, depth=0 if not path else path.count(".") + 1,
             params_model=sum(p.numel() for p in params),
             params_per_rank=sum(held.get(id(p), p.numel()) for p in params),
             fwd_flops=counter.module_flops("forward", path),
             bwd_flops=counter.module_flops("backward", path),
             recompute_flops=counter.module_flops("recompute", path),
-            fwd_latency_s=fwd_s.get(path, 0.0),
-            bwd_latency_s=bwd_s.get(path) if path in timer.backward_paths else None)
-        if path not in counter.called:  # never called: add up its children
-            kids = [rows[f"{path}.{n}" if path else n] for n, _ in module.named_children()]
-            for name in ("fwd_flops", "bwd_flops", "recompute_flops", "fwd_latency_s"):
-                setattr(row, name, sum(getattr(k, name) for k in kids))
-            timed = [k.bwd_latency_s for k in kids if k.bwd_latency_s is not None]
-            row.bwd_latency_s = sum(timed) if timed else row.bwd_latency_s
-        rows[path] = row
-    return list(reversed(rows.values()))
+            fwd_latency_s=0.0, bwd_latency_s=None))
+        if path not in counter.called:
+            sums[path] = [f"{path}.{n}" if path else n for n, _ in module.named_children()]
+    by_path = {r.path: r for r in rows}
+    for row in reversed(rows):  # children before parents
+        if (kids := sums.get(row.path)) is not None:
+            for name in ("fwd_flops", "bwd_flops", "recompute_flops"):
+                setattr(row, name, sum(getattr(by_path[k], name) for k in kids))
+    return rows, sums
+
+
+def time_rows(rows: list[ModuleRow], sums: dict[str, list[str]], timer: ModuleTimer) -> None:
+    """Fill in each row's forward latency and, for the timer's ``backward_paths``, its
+    backward latency (else None); a never-called container's are its children's sums."""
+    fwd, bwd = timer.latency["forward"], timer.latency["backward"]
+    by_path = {r.path: r for r in rows}
+    for row in reversed(rows):  # children before parents
+        kids = sums.get(row.path)
+        if kids is None:
+            row.fwd_latency_s = fwd.get(row.path, 0.0)
+            row.bwd_latency_s = bwd.get(row.path) if row.path in timer.backward_paths else None
+            continue
+        row.fwd_latency_s = sum(by_path[k].fwd_latency_s for k in kids)
+        timed = [t for k in kids if (t := by_path[k].bwd_latency_s) is not None]
+        row.bwd_latency_s = sum(timed) if timed else None
 
 
 def gather_rank_numbers(values: dict[str, float], device: torch.device) -> dict[str, list[float]]:
@@ -204,6 +219,11 @@ class StepProfiler:
         self.shapes: tuple | None = None  # the counting step's first inputs
         self.timer: ModuleTimer | None = None
         self.tokens = 1
+        # what the counting step fixes, prepared when it ends (outside the timed step)
+        self.rows: list[ModuleRow] = []
+        self.sums: dict[str, list[str]] = {}
+        self.flops: dict[str, Any] = {}
+        self.params_total = 0
 
     # -- step P-1 (or P) ---------------------------------------------------------------------
     def start_counting(self, step: int, args: tuple, kwargs: dict) -> None:
@@ -217,10 +237,19 @@ class StepProfiler:
     def stop_counting(self) -> None:
         """The end of the counting step: the mode goes, the next step's timer is made and
         its hooks registered here, outside the timed step."""
+        self._end_count()
+        self._make_timer()
+
+    def _end_count(self) -> None:
+        """The mode goes; the report's parts that the counts fix are prepared now: the
+        module rows' params and FLOPs, the FLOP figures, the model's size."""
         assert self.counter is not None
         self.counter.stop()
         self.counting = False
-        self._make_timer()
+        e = self.engine
+        self.rows, self.sums = module_rows(e.module, self.counter, e.zero.held_numel_by_param())
+        self.flops = flop_figures(self.counter, e.topology.tp_size)
+        self.params_total = model_numel(e)
 
     def _make_timer(self) -> None:
         e = self.engine
@@ -275,10 +304,10 @@ class StepProfiler:
         """The report of ``step`` (the clock's record of the profiled step)."""
         assert self.timer is not None and self.counter is not None
         self.timer.stop()
-        if self.counting:
-            self.counter.stop()
-            self.counting = False
+        if self.counting:  # counted in this step
+            self._end_count()
         self.timer.read()  # one wait, for the timer's last mark
+        time_rows(self.rows, self.sums, self.timer)
         profiled_s = clock.seconds(step)
         counted = [s for s in clock.steps if s.step == self.flops_step and s.timed]
         counting_s = (clock.seconds(counted[-1]) if counted and self.flops_step != step.step
@@ -292,7 +321,7 @@ class StepProfiler:
         times = timer.phase_latency
         fcfg = e.config.flops_profiler
         peak, peak_source = device_peak_flops(e.device, fcfg.peak_flops)
-        flops = flop_figures(c, e.topology.tp_size)
+        flops = self.flops
         mem_peak, reserved, mem_source = peak_memory(e.device)
         memory = e.memory_report()
         comm = e.comm_report()
@@ -310,7 +339,7 @@ class StepProfiler:
             zero_stage=e.zero_stage, zero_description=describe_zero(
                 e.zero_stage, e.dp_comm.size, e.comm.size, e.topology.tp_size,
                 e.topology.pp_size),
-            params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
+            params_total=self.params_total, params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
             step_flops_per_rank=c.total("step"),
             **{k: v for k, v in flops.items() if not k.endswith("_model_rank")},
@@ -325,7 +354,7 @@ class StepProfiler:
             reserved_memory_bytes=reserved, model_state_bytes=rank_values["model_state_bytes"],
             comm=comm, comm_hidden_fraction=(1 - exposed_s / total_s) if total_s else None,
             global_batch=e.train_batch_size(), tokens_per_sample=self.tokens,
-            modules=module_rows(e.module, c, timer, e.zero.held_numel_by_param()),
+            modules=self.rows,
             rank_min_max={k: [min(per_rank[k]), max(per_rank[k])] for k in SPREAD_KEYS
                           if k != "reserved_memory_bytes" or reserved is not None},
             transfers=e.transfer_report() if hasattr(e, "transfer_report") else None,
@@ -394,6 +423,8 @@ def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         counter.stop()
         timer.stop()
     timer.read()
+    rows, sums = module_rows(model, counter, {})
+    time_rows(rows, sums, timer)
     timeline.wait(t2)
     fwd_s, whole_s = timeline.seconds(t0, t1), timeline.seconds(t0, t2)
     params = sum(p.numel() for p in model.parameters())
@@ -416,7 +447,7 @@ def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         reserved_memory_bytes=reserved, model_state_bytes=0, comm={},
         comm_hidden_fraction=None, global_batch=batch,
         tokens_per_sample=tokens_per_sample(args, kwargs),
-        modules=module_rows(model, counter, timer, {}), module_depth=module_depth,
+        modules=rows, module_depth=module_depth,
         top_modules=top_modules, flops_source="counted in the profiled call itself",
         **UNSET_HEADLINE)
     return with_headline(report, whole_s, [], "the profiled call itself (a plain module)",
