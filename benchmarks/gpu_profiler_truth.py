@@ -6,9 +6,11 @@ synchronise). Two comparisons, each within 5 %:
 
 1. the profiler's headline iteration latency against the outside timer's median over the
    same steps (the headline's ``headline_steps``);
-2. the profiled step (outside timer) against that median: what profiling one step costs.
+2. the profiled step P (outside timer) against that median: what profiling one step costs.
 
-It prints the report's MFU and HFU, the peak it used and its memory split.
+It also prints the cost of step P-1, which counts the FLOPs (a dispatch mode and module
+hooks; excluded from the headline, no threshold), the report's MFU and HFU, the peak it
+used and its memory split.
 
     python benchmarks/gpu_profiler_truth.py                     # on a GPU
     python benchmarks/gpu_profiler_truth.py --device cpu --tiny  # the dry run (gloo)
@@ -38,7 +40,8 @@ from meshzero.profiling.report import si  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
 
 TOLERANCE = 0.05
-PROFILE_STEP, HEADLINE_STEPS = 8, 5  # headline: steps 3-7, after the warm-up steps 0-2
+# headline: steps 2-6, after the warm-up steps 0-1; step 7 counts FLOPs, step 8 is timed
+PROFILE_STEP, HEADLINE_STEPS = 8, 5
 
 
 def gpt_1b() -> ModelSpec:
@@ -94,10 +97,14 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
     median = statistics.median(outside[s] for s in r.headline_steps)
     headline_err = r.iter_latency_s / median - 1
     profiled = outside[PROFILE_STEP] / median
+    counting = outside[PROFILE_STEP - 1] / median
     line = (f"{si(r.params_total)} params, steps {r.headline_steps}: outside median "
             f"{median * 1e3:.1f} ms, headline {r.iter_latency_s * 1e3:.1f} ms "
             f"({headline_err:+.1%}); profiled step {outside[PROFILE_STEP] * 1e3:.1f} ms = "
-            f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x); MFU "
+            f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x, building it "
+            f"{r.report_build_s * 1e3:.1f} ms); FLOP-counting step {PROFILE_STEP - 1} "
+            f"{outside[PROFILE_STEP - 1] * 1e3:.1f} ms = {counting:.3f}x (report: "
+            f"{_times(r.counting_step_overhead)}; FLOPs {r.flops_source}); MFU "
             f"{_pct(r.mfu)} HFU {_pct(r.hfu)}, peak: {r.peak_flops_source}; model FLOPs "
             f"{si(r.model_flops)} per step; peak memory {r.peak_memory_bytes / 2**30:.2f} GiB "
             f"(model states {r.model_state_bytes / 2**30:.2f} GiB)")
@@ -105,6 +112,10 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
         return True, line + " [CPU dry run: no thresholds]"
     ok = abs(headline_err) <= TOLERANCE and profiled <= 1 + TOLERANCE
     return ok, line
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
 
 
 def _pct(value: float | None) -> str:

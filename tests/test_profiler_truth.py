@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 import meshzero
@@ -214,6 +215,74 @@ def test_profiled_step_costs_at_most_ten_percent(tmp_path):
     assert overhead <= 1.10, [s for s, _ in seen]
     line = next(x for x in text.splitlines() if x.startswith("profiled step overhead:"))
     assert f"{overhead:.3f}x the headline's latency" in line
+
+
+# --- which step counts FLOPs ---------------------------------------------------------------------
+def _counting(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    """Three engines: profile_step 2 (counted in step 1); profile_step 0 (both in step 0);
+    profile_step 2 whose inputs change shape at step 2 (counted in step 2 again)."""
+    out = {}
+    for name, profile_step, rows in (("apart", 2, [4] * 5), ("zero", 0, [4] * 4),
+                                     ("changed", 2, [4, 4, 6, 6, 6])):
+        if name not in names:
+            continue
+        torch.manual_seed(0)
+        model = linear_only((8, 16, 4))
+        modes: list[int] = []  # dispatch modes active in each forward
+        model.register_forward_pre_hook(
+            lambda m, a, seen=modes: seen.append(len(_get_current_dispatch_mode_stack())))
+        cfg = zero_config(3, global_batch=4 * world, flops_profiler={
+            "enabled": True, "profile_step": profile_step, "headline_steps": 2})
+        engine, *_ = meshzero.initialize(model=model, config=cfg)
+        gen = torch.Generator().manual_seed(rank)
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            for n in rows:
+                engine.backward(engine(torch.randn(n, 8, generator=gen)).pow(2).mean())
+                engine.step()
+            engine.close()
+        out[name] = (engine.last_profile, modes, text.getvalue())
+    return out
+
+
+def _plain_flops(rows: int) -> int:
+    with FlopCounterMode(display=False) as plain:
+        linear_only((8, 16, 4))(torch.randn(rows, 8)).pow(2).mean().backward()
+    return plain.get_total_flops()
+
+
+def test_flops_are_counted_in_a_step_of_their_own_before_the_timed_step(tmp_path):
+    [res] = run_distributed(_counting, 1, tmp_path, ("apart",))
+    r, modes, text = res["apart"]
+    # the dispatch mode is on in step 1 only: step 2, the timed one, runs without it
+    assert modes == [0, 1, 0, 0, 0]
+    assert r.profile_step == 2 and r.flops_step == 1
+    assert r.flops_source == "counted in step 1 (same input shapes), not in the timed step 2"
+    assert r.model_flops == _plain_flops(4)
+    assert r.headline_steps == [3, 4]  # step 0 warms up, steps 1 and 2 profile
+    assert r.counting_step_s is not None and r.counting_step_s > 0
+    assert r.counting_step_overhead == pytest.approx(r.counting_step_s / r.iter_latency_s)
+    assert re.search(r"^FLOP-counting step 1 \(not in the headline\):\s+"
+                     rf"{r.counting_step_overhead:.3f}x the headline's latency", text, re.M)
+    assert re.search(r"^profiled step overhead:.*timing marks only\)$", text, re.M)
+    assert all(m.bwd_latency_s is not None for m in r.modules if m.depth <= 1)
+    assert all(m.bwd_latency_s is None for m in r.modules if m.depth > 1)
+
+
+def test_profile_step_0_counts_and_times_in_one_step_and_says_so(tmp_path):
+    [res] = run_distributed(_counting, 1, tmp_path, ("zero", "changed"))
+    r, modes, text = res["zero"]
+    assert modes == [1, 0, 0, 0] and r.flops_step == 0 == r.profile_step
+    assert "counted in step 0 itself" in r.flops_source
+    assert "the overhead includes counting" in r.flops_source
+    assert r.counting_step_s is None and "FLOP-counting step" not in text
+    assert re.search(r"^profiled step overhead:.*timing marks and FLOP counting\)$", text, re.M)
+    assert r.model_flops == _plain_flops(4)
+    # the inputs change shape at the timed step: it counts again, and the FLOPs are its own
+    r, modes, _ = res["changed"]
+    assert modes == [0, 1, 1, 0, 0] and r.flops_step == 2
+    assert "its inputs' shapes differ from step 1's" in r.flops_source
+    assert r.model_flops == _plain_flops(6)
 
 
 # --- MFU and HFU ----------------------------------------------------------------------------------
