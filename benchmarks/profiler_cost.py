@@ -43,14 +43,15 @@ def _sync(device: torch.device) -> None:
 
 def _fwd_bwd(model, spec: ModelSpec, x, y, before: Callable[[], object] | None = None,
              after: Callable[[], object] | None = None) -> float:
-    """Seconds of one forward + backward (synchronised), ``before`` / ``after`` around it
-    but outside the time."""
+    """Host CPU seconds of one forward + backward (synchronised; CPU time, not wall time,
+    since a shared machine's load moves wall time more than the parts measured here),
+    ``before`` / ``after`` around it but outside the time."""
     start = before() if before else None
     _sync(x.device)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     loss_fn(spec, model(x), y).backward()
     _sync(x.device)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     if after:
         after(start)  # type: ignore[call-arg]
     return seconds
@@ -69,9 +70,9 @@ def part_a(spec: ModelSpec, device: torch.device, repeats: int) -> None:
 
     def stop_timer(t):
         t.stop()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         t.read()
-        read_s.append(time.perf_counter() - t0)
+        read_s.append(time.process_time() - t0)
 
     def counter():
         c = FlopCounter(model)
@@ -90,8 +91,8 @@ def part_a(spec: ModelSpec, device: torch.device, repeats: int) -> None:
         for name, (before, after) in cases.items():
             results[name].append(_fwd_bwd(model, spec, x, y, before, after))
     base = statistics.median(results["plain"])
-    print(f"A. one forward + backward of the plain model ({modules} modules), median of "
-          f"{repeats}:")
+    print(f"A. one forward + backward of the plain model ({modules} modules), host CPU time, "
+          f"median of {repeats}:")
     for name, times in results.items():
         median = statistics.median(times)
         print(f"  {name:<40} {median * 1e3:8.2f} ms  +{(median - base) * 1e3:7.2f} ms "
