@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import meshzero
 from meshzero.profiling import get_model_profile
-from meshzero.profiling.marks import CpuMarks, ModuleTimer
+from meshzero.profiling.marks import CpuMarks, CudaMarks, ModuleTimer
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import PEAK_FLOPS, device_peak_flops, table_peak
 from meshzero.profiling.report import seconds
@@ -98,6 +98,20 @@ def test_module_timer_backward_of_every_module_when_asked():
     timer.stop()
     timer.read()
     assert set(timer.latency["backward"]) == {"", "0", "1", "2"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_marks_pool_reuses_its_events_and_reads_once():
+    marks = CudaMarks(torch.device("cuda"), 2)
+    pool = list(marks.events)
+    a = torch.randn(512, 512, device="cuda")
+    for _ in range(3):  # the pool grows by one
+        marks.mark()
+        a = a @ a / 512
+    assert marks.events[:2] == pool and len(marks.events) == 3
+    times = marks.read()
+    assert times[0] == 0 and times[1] > 0 and times[2] > times[1]
+    assert marks.used == 0 and marks.read() == []
 
 
 def test_step_clock_steady_steps_skip_step_0_and_the_profiled_step():

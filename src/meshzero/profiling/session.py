@@ -1,15 +1,17 @@
 """The engine's profiling: the step clock every step, and the profiler of one step.
 
 Every optimizer step is timed by the :class:`StepClock` (a mark at the first forward, one at
-the end of ``step()``: a timestamp on CPU, a CUDA event on GPU). At
-``flops_profiler.profile_step`` a :class:`StepProfiler` also counts FLOPs and times modules.
-The report's headline (latency, throughput, FLOP/s, MFU, HFU) is the median of the last
-``flops_profiler.headline_steps`` (K) unprofiled steps after step 0, which records the unit
-order and warms up: the profiled step's own cost never becomes the job's speed. The report is
+the end of ``step()``: a timestamp on CPU, a CUDA event on GPU). ``flops_profiler.profile_step``
+P is profiled by a :class:`StepProfiler` over two steps: step P-1 counts FLOPs (a dispatch
+mode: slow, so not timed) and step P is timed with cheap marks, reusing P-1's counts when its
+inputs have the same shapes (at P = 0, or with other shapes, P counts too and says so). The
+report's headline (latency, throughput, FLOP/s, MFU, HFU) is the median of the last
+``flops_profiler.headline_steps`` (K) steps after step 0 (which records the unit order and
+warms up) other than P-1 and P: profiling never becomes the job's speed. The report is
 final, printed, written and sent to the monitors once K such steps exist (at the profiled
-step when enough came before it, else K steps later), or at ``engine.close()`` with the steps
-there are; until then ``engine.last_profile`` and the JSON file hold it with the headline
-from the steps so far (``headline_final`` false).
+step when enough came before it, else later), or at ``engine.close()`` with the steps there
+are; until then ``engine.last_profile`` and the JSON file hold it with the headline from the
+steps so far (``headline_final`` false).
 """
 
 from __future__ import annotations

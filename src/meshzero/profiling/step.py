@@ -1,9 +1,11 @@
 """Profile one whole optimizer step of an engine, or one forward/backward of a plain module.
 
-The engine starts a :class:`StepProfiler` at the first micro-step of ``profile_step`` and
-finishes it after ``step()``; other steps carry no hooks and no dispatch mode. The only
-collective the profiler adds is one all-gather of each rank's numbers at the end (for the
-min / max / sum across ranks), counted in its own statistics, not in the step's.
+The engine starts a :class:`StepProfiler` at the first micro-step of step ``profile_step``
+- 1, which counts FLOPs, and finishes it after the ``step()`` of ``profile_step``, which is
+timed; other steps carry no hooks and no dispatch mode. The collectives the profiler adds
+(one all-reduce of the model's size across tp / pp ranks when counting ends, one all-gather
+of each rank's numbers at the end for the min / max / sum across ranks) are counted in their
+own statistics, not in the step's.
 """
 
 from __future__ import annotations
