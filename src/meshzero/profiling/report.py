@@ -119,8 +119,8 @@ class ProfileReport:
 HEADLINE_KEYS = ("iter_latency_s", "samples_per_second", "tokens_per_second",
                  "model_flops_per_second_per_rank", "hardware_flops_per_second_per_rank",
                  "mfu", "hfu", "mfu_per_rank", "hfu_per_rank", "profiled_step_s",
-                 "profiled_step_overhead", "peak_memory_bytes", "model_state_bytes",
-                 "other_memory_bytes")
+                 "profiled_step_overhead", "counting_step_overhead", "peak_memory_bytes",
+                 "model_state_bytes", "other_memory_bytes")
 
 
 def si(value: float, unit: str = "") -> str:
@@ -185,7 +185,7 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("MFU: job / this rank", f"{_percent(r.mfu)} / {_percent(r.mfu_per_rank)}"),
              _line("HFU: job / this rank", f"{_percent(r.hfu)} / {_percent(r.hfu_per_rank)}"),
              *per_rank_utilization(r),
-             f"{'-' * 10} the profiled {step} {'-' * 10}",
+             f"{'-' * 10} the profiled {step}{_counted_in(r)} {'-' * 10}",
              _line("fwd FLOPs per rank / model", f"{si(r.fwd_flops_per_rank)} / "
                    f"{si(r.fwd_flops_model)}"),
              _line("bwd FLOPs per rank / model", f"{si(r.bwd_flops_per_rank)} / "
@@ -201,6 +201,13 @@ def summary_lines(r: ProfileReport) -> list[str]:
     for key, (lo, hi) in r.rank_min_max.items():
         lines.append(_line(f"min / max across ranks: {key}", f"{lo:.6g} / {hi:.6g}"))
     return lines
+
+
+def _counted_in(r: ProfileReport) -> str:
+    """Where the section's FLOPs come from, when not from the timed step itself."""
+    if r.flops_step is None or r.flops_step == r.profile_step:
+        return ""
+    return f" (FLOPs counted in step {r.flops_step})"
 
 
 def per_rank_utilization(r: ProfileReport) -> list[str]:
