@@ -250,12 +250,16 @@ def _counting(rank: int, world: int, names: tuple[str, ...]) -> dict:
         engine, *_ = meshzero.initialize(model=model, config=cfg)
         gen = torch.Generator().manual_seed(rank)
         text = io.StringIO()
+        hooks = []  # forward hooks on the model after each step: the profiler's are gone
         with contextlib.redirect_stdout(text):
             for n in rows:
                 engine.backward(engine(torch.randn(n, 8, generator=gen)).pow(2).mean())
                 engine.step()
+                hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                                 for m in model.modules()))
             engine.close()
         out[name] = (engine.last_profile, modes, text.getvalue())
+        assert hooks[-1] == hooks[0], (name, hooks)  # after step 0 (P = 0: after P)
     return out
 
 

@@ -123,9 +123,9 @@ class FlopCounter:
     ``counts[phase][path]`` are FLOPs (path ``""`` is the root, i.e. the whole model).
     ``replicated``: paths of modules every tensor-parallel rank runs whole (their FLOPs are
     also counted under ``REPLICATED``, so model FLOPs can count them once). ``called``: the
-    paths whose forward ran. Counting costs a Python call per dispatched op: the engine
-    counts in a step of its own, never in the timed one (docs/profiling.md); module times
-    come from :class:`meshzero.profiling.marks.ModuleTimer`.
+    paths whose forward ran; ``calls``: how many forwards ran. Counting costs a Python call
+    per dispatched op: the engine counts in a step of its own, never in the timed one
+    (docs/profiling.md); module times come from :class:`meshzero.profiling.marks.ModuleTimer`.
     """
 
     def __init__(self, root: nn.Module, replicated: frozenset[str] = frozenset()):
@@ -134,6 +134,7 @@ class FlopCounter:
         self.paths = {m: p for p, m in root.named_modules()}
         self.counts: dict[str, Counter[str]] = {ph: Counter() for ph in PHASES}
         self.called: set[str] = set()
+        self.calls = 0  # module forwards, recomputation included
         self.phase = "forward"
         self._active: dict[str, int] = {}  # path -> open scopes (only paths with some open)
         self._forward_depth = 0
@@ -197,6 +198,7 @@ class FlopCounter:
     def _pre_forward(self, module: nn.Module, args) -> None:
         path = self.paths[module]
         self.called.add(path)
+        self.calls += 1
         self._forward_depth += 1
         self._enter(path)
         inputs = _tensors(args)

@@ -25,7 +25,7 @@ from torch import nn
 from meshzero.comm import CommStats, Communicator
 from meshzero.parallel.shards import is_tp_sharded
 from meshzero.profiling.flops import FlopCounter
-from meshzero.profiling.marks import ModuleTimer, marks_for
+from meshzero.profiling.marks import ModuleTimer, marks_for, top_level_paths
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import device_peak_flops
 from meshzero.profiling.report import ModuleRow, ProfileReport
@@ -254,12 +254,16 @@ class StepProfiler:
         self.params_total = model_numel(e)
 
     def _make_timer(self) -> None:
+        """The timer of step P, its hooks registered and its CUDA events made here. The pool
+        holds the marks the counting step's calls would take (a step that needs more grows
+        it: an event made in the step costs more, nothing else)."""
         e = self.engine
-        modules = sum(1 for _ in e.module.modules())
-        # marks per micro-step: enter and exit of every module, a few phases; a pool that
-        # is short grows (an event made in the step costs more, nothing else)
-        size = (2 * modules + 16) * e.grad_accum
-        self.timer = ModuleTimer(e.module, marks_for(e.device, size))
+        assert self.counter is not None
+        backward = top_level_paths(e.module)
+        calls = self.counter.calls or sum(1 for _ in e.module.modules()) * e.grad_accum
+        # enter + exit per forward call and per timed backward, a few phase marks per micro-step
+        size = 2 * calls + (2 * len(backward) + 8) * e.grad_accum
+        self.timer = ModuleTimer(e.module, marks_for(e.device, size), backward)
         self.timer.register()
 
     # -- step P --------------------------------------------------------------------------------
@@ -272,7 +276,8 @@ class StepProfiler:
                 f"counted in step {p} itself: its inputs' shapes differ from step "
                 f"{self.flops_step}'s (the overhead includes counting)")
             self.start_counting(p, args, kwargs)
-            self._make_timer()
+            if self.timer is None:  # else step P-1 made it, with its hooks
+                self._make_timer()
         else:
             self.flops_source = (f"counted in step {self.flops_step} (same input shapes), "
                                  f"not in the timed step {p}")
