@@ -46,8 +46,8 @@ class CpuMarks:
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    def mark(self) -> None:
-        self.times.append(time.perf_counter())
+    def mark(self, _now=time.perf_counter) -> None:
+        self.times.append(_now())
 
     def read(self) -> list[float]:
         times, self.times = self.times, []
@@ -134,30 +134,42 @@ class ModuleTimer:
                                                               always_call=True))
 
     def _pre_hook(self, code: int, backward: bool):
-        tags, mark, handles = self.tags, self.marks.mark, self._handles
+        tags, mark, handles, enter = self.tags, self.marks.mark, self._handles, code + _FWD_IN
+        if not backward:  # most modules: an append and a mark, nothing else
+            def pre(module: nn.Module, args: Any) -> None:
+                if self.armed:
+                    tags.append(enter)
+                    mark()
+            return pre
         exit_backward = self._marker(code + _BWD_OUT)
 
-        def pre(module: nn.Module, args: Any) -> None:
+        def pre_with_backward(module: nn.Module, args: Any) -> None:
             if self.armed:
-                tags.append(code + _FWD_IN)
+                tags.append(enter)
                 mark()
-                if (backward and self.phase != "backward" and torch.is_grad_enabled()
+                if (self.phase != "backward" and torch.is_grad_enabled()
                         and (inputs := _tensors(args))):
                     on_first_grad(inputs, exit_backward, handles)
-        return pre
+        return pre_with_backward
 
     def _post_hook(self, code: int, backward: bool):
-        tags, mark, handles = self.tags, self.marks.mark, self._handles
+        tags, mark, handles, leave = self.tags, self.marks.mark, self._handles, code + _FWD_OUT
+        if not backward:
+            def post(module: nn.Module, args: Any, output: Any) -> None:
+                if self.armed:
+                    tags.append(leave)
+                    mark()
+            return post
         enter_backward = self._marker(code + _BWD_IN)
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
+        def post_with_backward(module: nn.Module, args: Any, output: Any) -> None:
             if self.armed:
-                tags.append(code + _FWD_OUT)
+                tags.append(leave)
                 mark()
-                if (backward and self.phase != "backward" and torch.is_grad_enabled()
+                if (self.phase != "backward" and torch.is_grad_enabled()
                         and (outputs := _tensors(output))):
                     on_first_grad(outputs, enter_backward, handles)
-        return post
+        return post_with_backward
 
     def _marker(self, code: int):
         tags, mark = self.tags, self.marks.mark
