@@ -3,10 +3,11 @@
 A GPT of 24 blocks (small width by default: the step is host-bound, as the 1.24 B GPT is at
 one GPU, so every microsecond of Python shows) has 222 modules, like the GPU case, and
 dispatches 2438 ops in a plain forward + backward (the 1.24 B GPT's engine step on the GPU:
-5051, with ZeRO's and the optimizer's). Part A times one forward + backward of the plain model with each
-part of the profiler alone; part B trains an engine (ZeRO-3, W=1) and times, from outside,
-the FLOP-counting step P-1 and the timed step P against the median unprofiled step, and the
-report's building and printing. Medians of ``--repeats``; nothing is asserted.
+5051, with ZeRO's and the optimizer's). Part A times one forward + backward of the plain
+model with each part of the profiler alone; part B trains an engine (ZeRO-3, W=1) and
+times, from outside, the FLOP-counting step P-1 and the timed step P against the median
+unprofiled step, and the report's building and printing. Medians of ``--repeats``;
+nothing is asserted.
 
     python benchmarks/profiler_cost.py                 # CPU
     python benchmarks/profiler_cost.py --device cuda   # the same on a GPU
