@@ -110,7 +110,9 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
             f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x, building it "
             f"{r.report_build_s * 1e3:.1f} ms); FLOP-counting step {PROFILE_STEP - 1} "
             f"{outside[PROFILE_STEP - 1] * 1e3:.1f} ms = {counting:.3f}x (report: "
-            f"{_times(r.counting_step_overhead)}; FLOPs {r.flops_source}); MFU "
+            f"{_times(r.counting_step_overhead)}; FLOPs {r.flops_source}); host time before "
+            f"the closing synchronise: profiled step {host[PROFILE_STEP] * 1e3:.1f} ms, median "
+            f"{statistics.median(host[s] for s in r.headline_steps) * 1e3:.1f} ms; MFU "
             f"{_pct(r.mfu)} HFU {_pct(r.hfu)}, peak: {r.peak_flops_source}; model FLOPs "
             f"{si(r.model_flops)} per step; peak memory {r.peak_memory_bytes / 2**30:.2f} GiB "
             f"(model states {r.model_state_bytes / 2**30:.2f} GiB)")
