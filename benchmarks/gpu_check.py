@@ -140,8 +140,9 @@ def check_gpt_offload(spec, device, steps):
                   offload_param={"device": "cpu", "pin_memory": pin})
     cfg["train_micro_batch_size_per_gpu"] = spec.batch
     cfg["bf16"] = {"enabled": True}
-    # the profiler prints its report of step warmup + 1 (memory, comm, FLOPs) as it goes
-    cfg["flops_profiler"] = {"enabled": True, "profile_step": warmup + 1, "detailed": False,
+    # the profiler prints its report (memory, comm, FLOPs) of step warmup - 1, which step
+    # warmup - 2 counts the FLOPs of: both inside the warm-up, out of the timed steps
+    cfg["flops_profiler"] = {"enabled": True, "profile_step": warmup - 1, "detailed": False,
                              "peak_flops": H200_BF16_DENSE}
     model = build_model(spec, seed=0)
     engine, *_ = meshzero.initialize(model=model, config=cfg)

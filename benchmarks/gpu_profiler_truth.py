@@ -6,9 +6,11 @@ synchronise). Two comparisons, each within 5 %:
 
 1. the profiler's headline iteration latency against the outside timer's median over the
    same steps (the headline's ``headline_steps``);
-2. the profiled step (outside timer) against that median: what profiling one step costs.
+2. the profiled step P (outside timer) against that median: what profiling one step costs.
 
-It prints the report's MFU and HFU, the peak it used and its memory split.
+It also prints the cost of step P-1, which counts the FLOPs (a dispatch mode and module
+hooks; excluded from the headline, no threshold), the report's MFU and HFU, the peak it
+used and its memory split.
 
     python benchmarks/gpu_profiler_truth.py                     # on a GPU
     python benchmarks/gpu_profiler_truth.py --device cpu --tiny  # the dry run (gloo)
@@ -38,7 +40,8 @@ from meshzero.profiling.report import si  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
 
 TOLERANCE = 0.05
-PROFILE_STEP, HEADLINE_STEPS = 8, 5  # headline: steps 3-7, after the warm-up steps 0-2
+# headline: steps 2-6, after the warm-up steps 0-1; step 7 counts FLOPs, step 8 is timed
+PROFILE_STEP, HEADLINE_STEPS = 8, 5
 
 
 def gpt_1b() -> ModelSpec:
@@ -59,10 +62,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(spec: ModelSpec, device: torch.device) -> tuple[object, list[float], str]:
-    """Train PROFILE_STEP + 2 steps; (the report, outside seconds per step, its printout)."""
+def run(spec: ModelSpec, device: torch.device
+        ) -> tuple[object, list[float], list[float], str]:
+    """Train PROFILE_STEP + 2 steps; (the report, outside seconds per step, host seconds
+    per step before the closing synchronisation, its printout)."""
     engine, *_ = meshzero.initialize(model=build_model(spec, seed=0), config=_config(spec))
-    outside, printed = [], io.StringIO()
+    outside, host, printed = [], [], io.StringIO()
     with contextlib.redirect_stdout(printed):
         for x, y in make_batches(spec, 0, 0, PROFILE_STEP + 2):
             x, y = x.to(device), y.to(device)
@@ -70,13 +75,14 @@ def run(spec: ModelSpec, device: torch.device) -> tuple[object, list[float], str
             t0 = time.perf_counter()
             engine.backward(loss_fn(spec, engine(x), y))
             engine.step()
+            host.append(time.perf_counter() - t0)
             _sync(device)
             outside.append(time.perf_counter() - t0)
     report = engine.last_profile
     if hasattr(engine, "transfer_report"):  # issue 23's host<->device bytes, if it exists
         print(f"  transfer_report: {engine.transfer_report()}")
     engine.close()
-    return report, outside, printed.getvalue()
+    return report, outside, host, printed.getvalue()
 
 
 def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
@@ -85,19 +91,28 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
     GPU) trains the 1.24 B GPT instead of ``spec``; the 5 % thresholds apply on a GPU."""
     on_gpu = device.type == "cuda"
     spec = gpt_1b() if (on_gpu if big is None else big) else spec
-    r, outside, printed = run(spec, device)
+    r, outside, host, printed = run(spec, device)
     if show:
         print(printed, end="")
         print("outside timer per step (ms):", [round(t * 1e3, 1) for t in outside])
+        # a host-bound step shows every microsecond of profiling's Python here
+        print("host time per step before the final synchronise (ms):",
+              [round(t * 1e3, 1) for t in host])
     if r is None or not r.headline_final:
         return False, "no final profile report"
     median = statistics.median(outside[s] for s in r.headline_steps)
     headline_err = r.iter_latency_s / median - 1
     profiled = outside[PROFILE_STEP] / median
+    counting = outside[PROFILE_STEP - 1] / median
     line = (f"{si(r.params_total)} params, steps {r.headline_steps}: outside median "
             f"{median * 1e3:.1f} ms, headline {r.iter_latency_s * 1e3:.1f} ms "
             f"({headline_err:+.1%}); profiled step {outside[PROFILE_STEP] * 1e3:.1f} ms = "
-            f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x); MFU "
+            f"{profiled:.3f}x (report: {r.profiled_step_overhead:.3f}x, building it "
+            f"{r.report_build_s * 1e3:.1f} ms); FLOP-counting step {PROFILE_STEP - 1} "
+            f"{outside[PROFILE_STEP - 1] * 1e3:.1f} ms = {counting:.3f}x (report: "
+            f"{_times(r.counting_step_overhead)}; FLOPs {r.flops_source}); host time before "
+            f"the closing synchronise: profiled step {host[PROFILE_STEP] * 1e3:.1f} ms, median "
+            f"{statistics.median(host[s] for s in r.headline_steps) * 1e3:.1f} ms; MFU "
             f"{_pct(r.mfu)} HFU {_pct(r.hfu)}, peak: {r.peak_flops_source}; model FLOPs "
             f"{si(r.model_flops)} per step; peak memory {r.peak_memory_bytes / 2**30:.2f} GiB "
             f"(model states {r.model_state_bytes / 2**30:.2f} GiB)")
@@ -105,6 +120,10 @@ def check_profiler_truth(spec: ModelSpec, device: torch.device, steps: int, *,
         return True, line + " [CPU dry run: no thresholds]"
     ok = abs(headline_err) <= TOLERANCE and profiled <= 1 + TOLERANCE
     return ok, line
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
 
 
 def _pct(value: float | None) -> str:

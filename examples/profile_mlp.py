@@ -67,8 +67,8 @@ def main() -> None:
     }
     engine, *_ = meshzero.initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    # step 0 warms up and records the unit order; step 1 is profiled; steps 2-4 are the
-    # headline's steady state, after which the report prints
+    # step 0 warms up, records the unit order and counts FLOPs; step 1 is timed (the
+    # profiled step); steps 2-4 are the headline's steady state, after which it prints
     for _ in range(5):
         x = torch.randn(args.batch, args.seq, args.hidden, generator=gen)
         loss = engine(x).pow(2).mean()

@@ -198,10 +198,11 @@ def test_linear_flops_are_exact_and_equal_across_stages(tmp_path):
         assert res["later"] == (fwd, bwd, 0)
         assert res["later_step"] == 2
         base = res["hooks"][0]
-        # before steps 0, 1, 2 and at the end: ZeRO's hooks only (the profiler's come and go
-        # with its step); after each step no dispatch mode is left, and a report exists only
-        # once step 2 was profiled
-        assert res["hooks"][0::2] == [base, base, base, base]
+        # before steps 0, 1 and at the end: ZeRO's hooks only; before step 2 also the timer's
+        # (registered at the end of the counting step 1, outside the timed step): a pre and a
+        # post hook on each of the 4 modules. After each step no dispatch mode is left, and a
+        # report exists only once step 2 was profiled
+        assert res["hooks"][0::2] == [base, base, base + 2 * 4, base]
         assert res["hooks"][1::2] == [(False, 0), (False, 0), (True, 0)]
         assert res["accum"] == (2 * fwd, 2 * bwd, 0)
         samples, train_batch = res["accum_samples"]

@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 import meshzero
 from meshzero.profiling import get_model_profile
-from meshzero.profiling.flops import FlopCounter
+from meshzero.profiling.marks import CpuMarks, CudaMarks, ModuleTimer
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import PEAK_FLOPS, device_peak_flops, table_peak
 from meshzero.profiling.report import seconds
@@ -40,38 +41,77 @@ from tests.profiler_models import CheckpointStack, linear_only
 PEAK = 1e9
 
 
-# --- the timeline: one wait per read, never per module -------------------------------------------
-class CountingTimeline(CpuTimeline):
-    """The CUDA timeline's contract on CPU: marks are cheap, reading waits."""
+# --- the timer: cheap marks, read once ---------------------------------------------------------
+class CountingMarks(CpuMarks):
+    """The CUDA marks' contract on CPU: marking is cheap, reading waits (once)."""
 
     def __init__(self) -> None:
-        self.marks = self.waits = 0
+        super().__init__()
+        self.reads = 0
 
-    def mark(self) -> float:
-        self.marks += 1
-        return super().mark()
-
-    def wait(self, mark: float) -> None:
-        self.waits += 1
+    def read(self) -> list[float]:
+        self.reads += 1
+        return super().read()
 
 
-def test_module_timing_marks_without_waiting_and_reads_once():
+def test_module_timer_marks_without_waiting_and_reads_once():
+    model = nn.Sequential(linear_only((8, 16, 12)), nn.Linear(12, 4))  # root, 0 (0.0, 0.1), 1
+    marks = CountingMarks()
+    timer = ModuleTimer(model, marks)
+    assert timer.backward_paths == {"", "0", "1"}  # top level only (and the root)
+    timer.register()
+    model(torch.randn(3, 8)).sum().backward()  # not armed: hooks registered, no marks
+    assert marks.times == [] and timer.tags == []
+    timer.arm()
+    timer.set_phase("forward")
+    out = model(torch.randn(3, 8))
+    timer.set_phase("backward")
+    out.sum().backward()
+    timer.set_phase("step")
+    timer.stop()
+    assert marks.reads == 0  # nothing read while the step ran
+    # forward: enter + exit of 5 modules; backward: enter + exit of "1", the enter of "0"
+    # and of the root (their inputs need no grad: they end with backward); 3 phases, the end
+    # of backward, the last mark
+    assert len(marks.times) == 10 + 4 + 3 + 1 + 1
+    timer.read()
+    assert marks.reads == 1
+    fwd, bwd = timer.latency["forward"], timer.latency["backward"]
+    assert set(fwd) == {"", "0", "0.0", "0.1", "1"} and set(bwd) == {"", "0", "1"}
+    assert all(v > 0 for v in (*fwd.values(), *bwd.values()))
+    assert fwd[""] >= fwd["0"] >= fwd["0.0"] and bwd[""] >= bwd["0"]
+    assert set(timer.phase_latency) == {"forward", "backward", "step"}
+    model(torch.randn(3, 8)).sum().backward()  # stopped: the hooks are gone
+    assert marks.times == [] and timer.tags == []
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_module_timer_backward_of_every_module_when_asked():
     model = linear_only((8, 16, 12, 4))
-    timeline = CountingTimeline()
-    counter = FlopCounter(model, timeline)
-    counter.start()
-    model(torch.randn(3, 8)).sum().backward()
-    counter.set_phase("step")
-    assert timeline.waits == 0  # nothing waited while the step ran
-    counter.stop()
-    assert timeline.waits == 1
-    # forward: enter and exit of the root and 3 layers; backward: the same, some scopes
-    # closed together at the end of backward by one mark
-    assert 8 < timeline.marks <= 17
-    for path in ("", "0", "1", "2"):
-        assert counter.latency["forward"][path] > 0
-        assert counter.latency["backward"][path] > 0
-    assert counter.latency["forward"][""] >= counter.latency["forward"]["0"]
+    timer = ModuleTimer(model, CpuMarks(), backward_paths=frozenset({"0", "1", "2"}))
+    timer.register()
+    timer.arm()
+    timer.set_phase("forward")
+    out = model(torch.randn(3, 8))
+    timer.set_phase("backward")
+    out.sum().backward()
+    timer.stop()
+    timer.read()
+    assert set(timer.latency["backward"]) == {"", "0", "1", "2"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_marks_pool_reuses_its_events_and_reads_once():
+    marks = CudaMarks(torch.device("cuda"), 2)
+    pool = list(marks.events)
+    a = torch.randn(512, 512, device="cuda")
+    for _ in range(3):  # the pool grows by one
+        marks.mark()
+        a = a @ a / 512
+    assert marks.events[:2] == pool and len(marks.events) == 3
+    times = marks.read()
+    assert times[0] == 0 and times[1] > 0 and times[2] > times[1]
+    assert marks.used == 0 and marks.read() == []
 
 
 def test_step_clock_steady_steps_skip_step_0_and_the_profiled_step():
@@ -144,7 +184,7 @@ def _timed_run(model: nn.Module, cfg: dict, steps: int, rows: int, dim: int
 def _outside_vs_headline(rank: int, world: int) -> dict:
     cfg = zero_config(3, global_batch=32 * world, flops_profiler={
         "enabled": True, "profile_step": 2, "headline_steps": 3, "peak_flops": PEAK})
-    engine, outside, text = _timed_run(_wide(), cfg, 5, 32, 384)
+    engine, outside, text = _timed_run(_wide(), cfg, 6, 32, 384)
     r = engine.last_profile
     return {"outside": outside, "steps": r.headline_steps, "latency": r.iter_latency_s,
             "final": r.headline_final, "printed": text.count("meshzero profile of step 2"),
@@ -156,11 +196,11 @@ def _outside_vs_headline(rank: int, world: int) -> dict:
 def test_headline_is_the_steady_state_an_outside_timer_sees(tmp_path, world_size):
     results = run_distributed(_outside_vs_headline, world_size, tmp_path, timeout=300)
     for rank, r in enumerate(results):
-        # the last 3 unprofiled steps after step 0 (warm-up), around the profiled step 2:
-        # final, and printed once, when they exist
-        assert r["steps"] == [1, 3, 4] and r["final"], r
+        # the last 3 unprofiled steps after step 0 (warm-up), step 1 (counts FLOPs) and the
+        # profiled step 2: final, and printed once, when they exist
+        assert r["steps"] == [3, 4, 5] and r["final"], r
         assert r["printed"] == (1 if rank == 0 else 0)
-        assert "median of 3 unprofiled step(s), steps 1, 3, 4" in r["source"]
+        assert "median of 3 unprofiled step(s), steps 3, 4, 5" in r["source"]
         outside = sorted(r["outside"][s] for s in r["steps"])[1]
         assert r["latency"] == pytest.approx(outside, rel=0.10), (rank, r)
         assert r["samples"] == pytest.approx(r["batch"] / r["latency"])
@@ -175,7 +215,7 @@ def _overhead(rank: int, world: int, attempts: int) -> list[tuple[float, str]]:
         cfg = zero_config(3, global_batch=64, flops_profiler={
             "enabled": True, "profile_step": 2, "headline_steps": 3})
         # ops of ~10 ms: the counting mode's cost per op (a Python call) stays small
-        engine, _, text = _timed_run(_wide(768, 3072, 3), cfg, 5, 64, 768)
+        engine, _, text = _timed_run(_wide(768, 3072, 3), cfg, 6, 64, 768)
         seen.append((engine.last_profile.profiled_step_overhead, text))
         engine.close()
         if seen[-1][0] <= 1.10:
@@ -189,6 +229,78 @@ def test_profiled_step_costs_at_most_ten_percent(tmp_path):
     assert overhead <= 1.10, [s for s, _ in seen]
     line = next(x for x in text.splitlines() if x.startswith("profiled step overhead:"))
     assert f"{overhead:.3f}x the headline's latency" in line
+
+
+# --- which step counts FLOPs ---------------------------------------------------------------------
+def _counting(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    """Three engines: profile_step 2 (counted in step 1); profile_step 0 (both in step 0);
+    profile_step 2 whose inputs change shape at step 2 (counted in step 2 again)."""
+    out = {}
+    for name, profile_step, rows in (("apart", 2, [4] * 5), ("zero", 0, [4] * 4),
+                                     ("changed", 2, [4, 4, 6, 6, 6])):
+        if name not in names:
+            continue
+        torch.manual_seed(0)
+        model = linear_only((8, 16, 4))
+        modes: list[int] = []  # dispatch modes active in each forward
+        model.register_forward_pre_hook(
+            lambda m, a, seen=modes: seen.append(len(_get_current_dispatch_mode_stack())))
+        cfg = zero_config(3, global_batch=4 * world, flops_profiler={
+            "enabled": True, "profile_step": profile_step, "headline_steps": 2})
+        engine, *_ = meshzero.initialize(model=model, config=cfg)
+        gen = torch.Generator().manual_seed(rank)
+        text = io.StringIO()
+        hooks = []  # forward hooks on the model after each step: the profiler's are gone
+        with contextlib.redirect_stdout(text):
+            for n in rows:
+                engine.backward(engine(torch.randn(n, 8, generator=gen)).pow(2).mean())
+                engine.step()
+                hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                                 for m in model.modules()))
+            engine.close()
+        out[name] = (engine.last_profile, modes, text.getvalue())
+        assert hooks[-1] == hooks[0], (name, hooks)  # after step 0 (P = 0: after P)
+    return out
+
+
+def _plain_flops(rows: int) -> int:
+    with FlopCounterMode(display=False) as plain:
+        linear_only((8, 16, 4))(torch.randn(rows, 8)).pow(2).mean().backward()
+    return plain.get_total_flops()
+
+
+def test_flops_are_counted_in_a_step_of_their_own_before_the_timed_step(tmp_path):
+    [res] = run_distributed(_counting, 1, tmp_path, ("apart",))
+    r, modes, text = res["apart"]
+    # the dispatch mode is on in step 1 only: step 2, the timed one, runs without it
+    assert modes == [0, 1, 0, 0, 0]
+    assert r.profile_step == 2 and r.flops_step == 1
+    assert r.flops_source == "counted in step 1 (same input shapes), not in the timed step 2"
+    assert r.model_flops == _plain_flops(4)
+    assert r.headline_steps == [3, 4]  # step 0 warms up, steps 1 and 2 profile
+    assert r.counting_step_s is not None and r.counting_step_s > 0
+    assert r.counting_step_overhead == pytest.approx(r.counting_step_s / r.iter_latency_s)
+    assert re.search(r"^FLOP-counting step 1 \(not in the headline\):\s+"
+                     rf"{r.counting_step_overhead:.3f}x the headline's latency", text, re.M)
+    assert re.search(r"^profiled step overhead:.*timing marks only\)$", text, re.M)
+    assert all(m.bwd_latency_s is not None for m in r.modules if m.depth <= 1)
+    assert all(m.bwd_latency_s is None for m in r.modules if m.depth > 1)
+
+
+def test_profile_step_0_counts_and_times_in_one_step_and_says_so(tmp_path):
+    [res] = run_distributed(_counting, 1, tmp_path, ("zero", "changed"))
+    r, modes, text = res["zero"]
+    assert modes == [1, 0, 0, 0] and r.flops_step == 0 == r.profile_step
+    assert "counted in step 0 itself" in r.flops_source
+    assert "the overhead includes counting" in r.flops_source
+    assert r.counting_step_s is None and "FLOP-counting step" not in text
+    assert re.search(r"^profiled step overhead:.*timing marks and FLOP counting\)$", text, re.M)
+    assert r.model_flops == _plain_flops(4)
+    # the inputs change shape at the timed step: it counts again, and the FLOPs are its own
+    r, modes, _ = res["changed"]
+    assert modes == [0, 1, 1, 0, 0] and r.flops_step == 2
+    assert "its inputs' shapes differ from step 1's" in r.flops_source
+    assert r.model_flops == _plain_flops(6)
 
 
 # --- MFU and HFU ----------------------------------------------------------------------------------

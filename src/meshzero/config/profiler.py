@@ -9,7 +9,9 @@ from meshzero.config.scalars import Bool, Int, NonNegFloat, PosFloat, PosInt, Se
 
 
 class FlopsProfilerConfig(Section):
-    """`flops_profiler`: profile one whole optimizer step (every micro-step) at profile_step.
+    """`flops_profiler`: profile one whole optimizer step (every micro-step) at profile_step:
+    its FLOPs are counted in step profile_step - 1 (in profile_step itself when it is 0 or
+    its inputs' shapes differ), and profile_step is timed (docs/profiling.md).
 
     meshzero measures activation-checkpoint recomputation, so recompute_fwd_factor (an
     assumed factor in DeepSpeed) must stay 0. peak_flops is meshzero's own key: the peak

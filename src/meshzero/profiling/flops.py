@@ -16,7 +16,7 @@ every active module, so a module's count includes its descendants.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import torch
@@ -24,8 +24,6 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-
-from meshzero.profiling.timing import CpuTimeline, Timeline
 
 aten = torch.ops.aten
 
@@ -80,12 +78,14 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class Seconds(dict[str, float]):
-    """Seconds per module path; a path never timed reads 0.0 without being added (as a
-    Counter, whose values are typed int)."""
-
-    def __missing__(self, key: str) -> float:
-        return 0.0
+def on_first_grad(tensors: list[torch.Tensor], fn, handles: list[Any]) -> None:
+    """``fn()`` when the first of ``tensors`` gets its gradient in a backward. One tensor
+    (the usual module input or output) takes a plain tensor hook, much cheaper than a
+    multi-grad hook: its gradient is computed once per backward."""
+    if len(tensors) == 1:
+        handles.append(tensors[0].register_hook(lambda _g: fn()))
+    else:
+        handles.append(register_multi_grad_hook(tensors, lambda _g: fn(), mode="any"))
 
 
 class _CountingMode(TorchDispatchMode):
@@ -118,29 +118,25 @@ class _CountingMode(TorchDispatchMode):
 
 
 class FlopCounter:
-    """Counts FLOPs and module latency of ``root`` while started; no hooks otherwise.
+    """Counts the FLOPs of ``root`` by phase and module while started; no hooks otherwise.
 
-    ``counts[phase][path]`` are FLOPs (path ``""`` is the root, i.e. the whole model);
-    ``latency[phase][path]`` seconds spent inside the module in that phase, read from the
-    ``timeline``'s marks by :meth:`stop` (one wait for the last mark, none per module).
+    ``counts[phase][path]`` are FLOPs (path ``""`` is the root, i.e. the whole model).
     ``replicated``: paths of modules every tensor-parallel rank runs whole (their FLOPs are
-    also counted under ``REPLICATED``, so model FLOPs can count them once).
+    also counted under ``REPLICATED``, so model FLOPs can count them once). ``called``: the
+    paths whose forward ran; ``calls``: how many forwards ran. Counting costs a Python call
+    per dispatched op: the engine counts in a step of its own, never in the timed one
+    (docs/profiling.md); module times come from :class:`meshzero.profiling.marks.ModuleTimer`.
     """
 
-    def __init__(self, root: nn.Module, timeline: Timeline | None = None,
-                 replicated: frozenset[str] = frozenset()):
+    def __init__(self, root: nn.Module, replicated: frozenset[str] = frozenset()):
         self.root = root
-        self.timeline: Timeline = timeline or CpuTimeline()
         self.replicated = replicated
         self.paths = {m: p for p, m in root.named_modules()}
         self.counts: dict[str, Counter[str]] = {ph: Counter() for ph in PHASES}
-        self.latency: dict[str, Seconds] = {ph: Seconds() for ph in PHASES}
+        self.called: set[str] = set()
+        self.calls = 0  # module forwards, recomputation included
         self.phase = "forward"
         self._active: dict[str, int] = {}  # path -> open scopes (only paths with some open)
-        self._entered: dict[tuple[str, str], list[Any]] = defaultdict(list)
-        self._intervals: list[tuple[str, str, Any, Any]] = []  # (phase, path, start, end)
-        self._phase_marks: list[tuple[str, Any]] = []
-        self.phase_latency = Seconds()  # seconds per phase, from set_phase's marks
         self._forward_depth = 0
         self._handles: list[Any] = []
         self._mode: _CountingMode | None = None
@@ -153,43 +149,24 @@ class FlopCounter:
         self._mode = _CountingMode(self)
         self._mode.__enter__()
 
-    def stop(self, end: Any = None) -> None:
-        """Remove every hook, then read the marks into ``latency`` and ``phase_latency``;
-        ``end`` (default: now) is the mark that ends the last phase. Waits once, for it."""
-        end = self.timeline.mark() if end is None else end
+    def stop(self) -> None:
+        """Leave the dispatch mode and remove every hook."""
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.timeline.wait(end)
-        seconds = self.timeline.seconds
-        for phase, path, start, stop in self._intervals:
-            self.latency[phase][path] += seconds(start, stop)
-        self._intervals.clear()
-        ends = [m for _, m in self._phase_marks[1:]] + [end]
-        for (phase, start), stop in zip(self._phase_marks, ends, strict=True):
-            self.phase_latency[phase] += seconds(start, stop)
-        self._phase_marks.clear()
+        self._active.clear()
 
     def set_phase(self, phase: str) -> None:
-        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward.
-        Each call marks the timeline: the time until the next call (or ``stop``) is the
-        phase's."""
+        """``forward`` / ``backward`` / ``step``; ends module scopes left open by backward."""
         self.end_backward()
         self.phase = phase
-        self._phase_marks.append((phase, self.timeline.mark()))
 
     def end_backward(self) -> None:
         """Close backward scopes still open when autograd returns: a module whose inputs need
         no grad never reports the end of its backward, which ends with autograd's."""
-        if self._entered:
-            now = self.timeline.mark()
-            for (ph, path), starts in self._entered.items():
-                if ph == "backward":
-                    self._intervals += [(ph, path, t, now) for t in starts]
-        self._entered.clear()
         self._active.clear()
 
     # -- counting ------------------------------------------------------------------------------
@@ -208,48 +185,35 @@ class FlopCounter:
         if replicated:  # inside a module every tp rank runs whole
             counts[REPLICATED] += flops
 
-    def _enter(self, phase: str, path: str) -> None:
+    def _enter(self, path: str) -> None:
         self._active[path] = self._active.get(path, 0) + 1
-        self._entered[(phase, path)].append(self.timeline.mark())
 
-    def _exit(self, phase: str, path: str) -> None:
+    def _exit(self, path: str) -> None:
         n = self._active.get(path, 0)
         if n > 1:
             self._active[path] = n - 1
         elif n == 1:
             del self._active[path]
-        starts = self._entered.get((phase, path))
-        if starts:
-            self._intervals.append((phase, path, starts.pop(), self.timeline.mark()))
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         path = self.paths[module]
+        self.called.add(path)
+        self.calls += 1
         self._forward_depth += 1
-        in_backward = self.phase == "backward"  # a module forward inside backward: recompute
-        self._enter("recompute" if in_backward else "forward", path)
+        self._enter(path)
         inputs = _tensors(args)
         # backward scopes come from hooks set in the original forward; the recomputed graph
         # is consumed by the original one, so its own hooks are not needed
-        if inputs and torch.is_grad_enabled() and not in_backward:
-            self._on_first_grad(inputs, lambda p=path: self._exit("backward", p))
+        if inputs and torch.is_grad_enabled() and self.phase != "backward":
+            on_first_grad(inputs, lambda p=path: self._exit(p), self._handles)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         path = self.paths[module]
         self._forward_depth -= 1
-        in_backward = self.phase == "backward"
-        self._exit("recompute" if in_backward else "forward", path)
+        self._exit(path)
         outputs = _tensors(output)
-        if outputs and torch.is_grad_enabled() and not in_backward:
-            self._on_first_grad(outputs, lambda p=path: self._enter("backward", p))
-
-    def _on_first_grad(self, tensors: list[torch.Tensor], fn) -> None:
-        """``fn()`` when the first of ``tensors`` gets its gradient in a backward. One tensor
-        (the usual module input or output) takes a plain tensor hook, much cheaper than a
-        multi-grad hook: its gradient is computed once per backward."""
-        if len(tensors) == 1:
-            self._handles.append(tensors[0].register_hook(lambda _g: fn()))
-        else:
-            self._handles.append(register_multi_grad_hook(tensors, lambda _g: fn(), mode="any"))
+        if outputs and torch.is_grad_enabled() and self.phase != "backward":
+            on_first_grad(outputs, lambda p=path: self._enter(p), self._handles)
 
     # -- results -------------------------------------------------------------------------------
     def total(self, phase: str) -> int:

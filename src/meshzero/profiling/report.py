@@ -20,7 +20,7 @@ class ModuleRow:
     bwd_flops: int
     recompute_flops: int
     fwd_latency_s: float
-    bwd_latency_s: float
+    bwd_latency_s: float | None  # None: backward not timed per module (docs/profiling.md)
 
 
 @dataclass
@@ -72,6 +72,7 @@ class ProfileReport:
     mfu_per_rank: float | None  # this rank's
     hfu_per_rank: float | None
     profiled_step_overhead: float  # profiled_step_s / iter_latency_s
+    counting_step_overhead: float | None  # counting_step_s / iter_latency_s
     memory: dict[str, Any]
     peak_memory_bytes: int
     peak_memory_source: str
@@ -82,6 +83,11 @@ class ProfileReport:
     global_batch: int = 1
     tokens_per_sample: int = 1
     report_build_s: float = 0.0  # host seconds to build this report, after the step
+    # FLOPs come from step ``flops_step``: P-1 (a step of its own, excluded from the headline)
+    # or P itself (then the profiled step's overhead includes counting); see flops_source
+    flops_step: int | None = None
+    flops_source: str = ""
+    counting_step_s: float | None = None  # the counting step's time, when it is not P
     transfers: dict[str, Any] | None = None  # engine.transfer_report(), where it exists
     modules: list[ModuleRow] = field(default_factory=list)
     rank_min_max: dict[str, list[float]] = field(default_factory=dict)
@@ -113,8 +119,8 @@ class ProfileReport:
 HEADLINE_KEYS = ("iter_latency_s", "samples_per_second", "tokens_per_second",
                  "model_flops_per_second_per_rank", "hardware_flops_per_second_per_rank",
                  "mfu", "hfu", "mfu_per_rank", "hfu_per_rank", "profiled_step_s",
-                 "profiled_step_overhead", "peak_memory_bytes", "model_state_bytes",
-                 "other_memory_bytes")
+                 "profiled_step_overhead", "counting_step_overhead", "peak_memory_bytes",
+                 "model_state_bytes", "other_memory_bytes")
 
 
 def si(value: float, unit: str = "") -> str:
@@ -179,7 +185,7 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("MFU: job / this rank", f"{_percent(r.mfu)} / {_percent(r.mfu_per_rank)}"),
              _line("HFU: job / this rank", f"{_percent(r.hfu)} / {_percent(r.hfu_per_rank)}"),
              *per_rank_utilization(r),
-             f"{'-' * 10} the profiled {step} {'-' * 10}",
+             f"{'-' * 10} the profiled {step}{_counted_in(r)} {'-' * 10}",
              _line("fwd FLOPs per rank / model", f"{si(r.fwd_flops_per_rank)} / "
                    f"{si(r.fwd_flops_model)}"),
              _line("bwd FLOPs per rank / model", f"{si(r.bwd_flops_per_rank)} / "
@@ -195,6 +201,13 @@ def summary_lines(r: ProfileReport) -> list[str]:
     for key, (lo, hi) in r.rank_min_max.items():
         lines.append(_line(f"min / max across ranks: {key}", f"{lo:.6g} / {hi:.6g}"))
     return lines
+
+
+def _counted_in(r: ProfileReport) -> str:
+    """Where the section's FLOPs come from, when not from the timed step itself."""
+    if r.flops_step is None or r.flops_step == r.profile_step:
+        return ""
+    return f" (FLOPs counted in step {r.flops_step})"
 
 
 def per_rank_utilization(r: ProfileReport) -> list[str]:
@@ -265,13 +278,23 @@ def module_lines(r: ProfileReport) -> list[str]:
         name = "  " * m.depth + (m.path.rsplit(".", 1)[-1] if m.path else "(root)")
         lines.append(f"{name[:39]:<40}{si(m.params_model):>14}{si(m.params_per_rank):>13}"
                      f"{si(m.fwd_flops):>12}{si(m.bwd_flops):>12}{seconds(m.fwd_latency_s):>11}"
-                     f"{seconds(m.bwd_latency_s):>11}{m.fwd_flops / total:>8.1%}")
+                     f"{_maybe_seconds(m.bwd_latency_s):>11}{m.fwd_flops / total:>8.1%}")
     return lines
 
 
+def _maybe_seconds(value: float | None) -> str:
+    return "-" if value is None else seconds(value)
+
+
 def footer_lines(r: ProfileReport) -> list[str]:
-    return ["", _line("profiled step overhead",
-                      f"{r.profiled_step_overhead:.3f}x the headline's latency "
-                      f"({seconds(r.profiled_step_s)} vs {seconds(r.iter_latency_s)}; "
-                      "hooks, FLOP counting and timing marks)"),
-            _line("building this report, after the step", seconds(r.report_build_s))]
+    counted_apart = r.flops_step is not None and r.flops_step != r.profile_step
+    cost = "timing marks only" if counted_apart else "timing marks and FLOP counting"
+    lines = ["", _line("FLOPs and module FLOPs from", r.flops_source),
+             _line("profiled step overhead",
+                   f"{r.profiled_step_overhead:.3f}x the headline's latency "
+                   f"({seconds(r.profiled_step_s)} vs {seconds(r.iter_latency_s)}; {cost})")]
+    if counted_apart and r.counting_step_overhead is not None:
+        lines.append(_line(f"FLOP-counting step {r.flops_step} (not in the headline)",
+                           f"{r.counting_step_overhead:.3f}x the headline's latency "
+                           f"({seconds(r.counting_step_s or 0.0)}; dispatch mode and hooks)"))
+    return lines + [_line("building this report, after the step", seconds(r.report_build_s))]

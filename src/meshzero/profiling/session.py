@@ -1,21 +1,24 @@
 """The engine's profiling: the step clock every step, and the profiler of one step.
 
 Every optimizer step is timed by the :class:`StepClock` (a mark at the first forward, one at
-the end of ``step()``: a timestamp on CPU, a CUDA event on GPU). At
-``flops_profiler.profile_step`` a :class:`StepProfiler` also counts FLOPs and times modules.
-The report's headline (latency, throughput, FLOP/s, MFU, HFU) is the median of the last
-``flops_profiler.headline_steps`` (K) unprofiled steps after step 0, which records the unit
-order and warms up: the profiled step's own cost never becomes the job's speed. The report is
+the end of ``step()``: a timestamp on CPU, a CUDA event on GPU). ``flops_profiler.profile_step``
+P is profiled by a :class:`StepProfiler` over two steps: step P-1 counts FLOPs (a dispatch
+mode: slow, so not timed) and step P is timed with cheap marks, reusing P-1's counts when its
+inputs have the same shapes (at P = 0, or with other shapes, P counts too and says so). The
+report's headline (latency, throughput, FLOP/s, MFU, HFU) is the median of the last
+``flops_profiler.headline_steps`` (K) steps after step 0 (which records the unit order and
+warms up) other than P-1 and P: profiling never becomes the job's speed. The report is
 final, printed, written and sent to the monitors once K such steps exist (at the profiled
-step when enough came before it, else K steps later), or at ``engine.close()`` with the steps
-there are; until then ``engine.last_profile`` and the JSON file hold it with the headline
-from the steps so far (``headline_final`` false).
+step when enough came before it, else later), or at ``engine.close()`` with the steps there
+are; until then ``engine.last_profile`` and the JSON file hold it with the headline from the
+steps so far (``headline_final`` false).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 from meshzero.profiling.monitor import Event
@@ -47,39 +50,55 @@ class EngineProfiling:
         self.report: ProfileReport | None = None
         self.pending = False  # a report whose headline still waits for steps
 
-    # -- the hot path: a mark per step, hooks only in the profiled one -------------------------
+    # -- the hot path: a mark per step; hooks only in steps P-1 (counting) and P (timed) ---------
+    def _profiled(self, step: int) -> bool:
+        """Step P, and P-1, which counts its FLOPs: neither enters a headline."""
+        p = self.config.profile_step
+        return self.config.enabled and p >= 0 and step in (p - 1, p)
+
     def open_step(self, step: int, args: tuple, kwargs: dict) -> None:
         self.clock.open()
-        if self.config.enabled and step == self.config.profile_step:
-            self.profiler = StepProfiler(self.engine, step, self.clock.timeline)
-            self.profiler.start(args, kwargs)
+        if not self._profiled(step):
+            return
+        p = self.config.profile_step
+        if self.profiler is None:
+            self.profiler = StepProfiler(self.engine, p)
+        if step == p - 1:
+            self.profiler.start_counting(step, args, kwargs)
+        else:
+            self.profiler.start_timing(args, kwargs)
 
     def set_phase(self, phase: str) -> None:
         if self.profiler is not None:
-            self.profiler.counter.set_phase(phase)
+            self.profiler.set_phase(phase)
 
     def end_backward(self) -> None:
         if self.profiler is not None:
-            self.profiler.counter.end_backward()
+            self.profiler.end_backward()
 
     def close_step(self, step: int) -> None:
-        """The end of optimizer step ``step``: its clock mark, then the report's work."""
-        profiled = self.profiler is not None
-        self.clock.close(step, profiled)
-        if self.profiler is not None:
+        """The end of optimizer step ``step``: its clock mark, then the profiler's work."""
+        self.clock.close(step, self._profiled(step))
+        if self.profiler is None:
+            if self.pending and self._enough():
+                self._headline(final=True)
+        elif step == self.config.profile_step - 1:
+            self.profiler.stop_counting()  # and registers step P's timer, outside step P
+        elif step == self.config.profile_step:
             t0 = time.perf_counter()
-            self.report = self.profiler.finish(self.clock.steps[-1], self.clock)
-            self.report.report_build_s = time.perf_counter() - t0
+            report = self.profiler.finish(self.clock.steps[-1], self.clock)
+            self.report = replace(report, report_build_s=time.perf_counter() - t0)
             self.profiler = None
             self.pending = True
             self._headline(final=self._enough())
             if self.pending:  # a JSON file exists from the profiled step on
                 write_report(self.report, self.config.output_file, show=False)
-        elif self.pending and self._enough():
-            self._headline(final=True)
 
     def close(self) -> None:
         """The engine closes: a pending report takes the steps there are."""
+        if self.profiler is not None:  # closed between steps P-1 and P: nothing to report
+            self.profiler.stop()
+            self.profiler = None
         if self.pending:
             self._headline(final=True)
 

@@ -1,9 +1,11 @@
 """Profile one whole optimizer step of an engine, or one forward/backward of a plain module.
 
-The engine starts a :class:`StepProfiler` at the first micro-step of ``profile_step`` and
-finishes it after ``step()``; other steps carry no hooks and no dispatch mode. The only
-collective the profiler adds is one all-gather of each rank's numbers at the end (for the
-min / max / sum across ranks), counted in its own statistics, not in the step's.
+The engine starts a :class:`StepProfiler` at the first micro-step of step ``profile_step``
+- 1, which counts FLOPs, and finishes it after the ``step()`` of ``profile_step``, which is
+timed; other steps carry no hooks and no dispatch mode. The collectives the profiler adds
+(one all-reduce of the model's size across tp / pp ranks when counting ends, one all-gather
+of each rank's numbers at the end for the min / max / sum across ranks) are counted in their
+own statistics, not in the step's.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from torch import nn
 from meshzero.comm import CommStats, Communicator
 from meshzero.parallel.shards import is_tp_sharded
 from meshzero.profiling.flops import FlopCounter
+from meshzero.profiling.marks import ModuleTimer, marks_for, top_level_paths
 from meshzero.profiling.monitor import tier_bytes
 from meshzero.profiling.peaks import device_peak_flops
 from meshzero.profiling.report import ModuleRow, ProfileReport
-from meshzero.profiling.timing import StepClock, StepTime, Timeline, timeline_for
+from meshzero.profiling.timing import StepClock, StepTime, timeline_for
 
 logger = logging.getLogger(__name__)
 
@@ -88,29 +91,48 @@ def tokens_per_sample(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def module_rows(root: nn.Module, counter: FlopCounter, held: dict[int, int]) -> list[ModuleRow]:
-    """One row per module: params of the model and held by this rank, FLOPs and latency.
-    ``held`` maps id(param) -> elements of it this rank holds at rest. A container that is
-    never called itself (a ModuleList) shows the sum of its children's FLOPs and time."""
-    rows: dict[str, ModuleRow] = {}
-    for path, module in reversed(list(root.named_modules())):  # children before parents
+def module_rows(root: nn.Module, counter: FlopCounter, held: dict[int, int]
+                ) -> tuple[list[ModuleRow], dict[str, list[str]]]:
+    """One row per module, in tree order: params of the model and held by this rank, and
+    FLOPs; latencies are filled in by :func:`time_rows`. ``held`` maps id(param) -> elements
+    of it this rank holds at rest. Also, for each container never called itself (a
+    ModuleList), its children's paths: its row shows their sum."""
+    rows: list[ModuleRow] = []
+    sums: dict[str, list[str]] = {}
+    for path, module in root.named_modules():
         params = list(module.parameters())  # deduplicated: a shared parameter counts once
-        row = ModuleRow(
+        rows.append(ModuleRow(
             path=path, depth=0 if not path else path.count(".") + 1,
             params_model=sum(p.numel() for p in params),
             params_per_rank=sum(held.get(id(p), p.numel()) for p in params),
             fwd_flops=counter.module_flops("forward", path),
             bwd_flops=counter.module_flops("backward", path),
             recompute_flops=counter.module_flops("recompute", path),
-            fwd_latency_s=counter.latency["forward"][path],
-            bwd_latency_s=counter.latency["backward"][path])
-        if path not in counter.latency["forward"]:  # never called: add up its children
-            kids = [rows[f"{path}.{n}" if path else n] for n, _ in module.named_children()]
-            for name in ("fwd_flops", "bwd_flops", "recompute_flops", "fwd_latency_s",
-                         "bwd_latency_s"):
-                setattr(row, name, sum(getattr(k, name) for k in kids))
-        rows[path] = row
-    return list(reversed(rows.values()))
+            fwd_latency_s=0.0, bwd_latency_s=None))
+        if path not in counter.called:
+            sums[path] = [f"{path}.{n}" if path else n for n, _ in module.named_children()]
+    by_path = {r.path: r for r in rows}
+    for row in reversed(rows):  # children before parents
+        if (kids := sums.get(row.path)) is not None:
+            for name in ("fwd_flops", "bwd_flops", "recompute_flops"):
+                setattr(row, name, sum(getattr(by_path[k], name) for k in kids))
+    return rows, sums
+
+
+def time_rows(rows: list[ModuleRow], sums: dict[str, list[str]], timer: ModuleTimer) -> None:
+    """Fill in each row's forward latency and, for the timer's ``backward_paths``, its
+    backward latency (else None); a never-called container's are its children's sums."""
+    fwd, bwd = timer.latency["forward"], timer.latency["backward"]
+    by_path = {r.path: r for r in rows}
+    for row in reversed(rows):  # children before parents
+        kids = sums.get(row.path)
+        if kids is None:
+            row.fwd_latency_s = fwd.get(row.path, 0.0)
+            row.bwd_latency_s = bwd.get(row.path) if row.path in timer.backward_paths else None
+            continue
+        row.fwd_latency_s = sum(by_path[k].fwd_latency_s for k in kids)
+        timed = [t for k in kids if (t := by_path[k].bwd_latency_s) is not None]
+        row.bwd_latency_s = sum(timed) if timed else None
 
 
 def gather_rank_numbers(values: dict[str, float], device: torch.device) -> dict[str, list[float]]:
@@ -163,35 +185,150 @@ def with_headline(r: ProfileReport, latency_s: float, steps: list[int], source: 
         hfu=utilization(r.hardware_flops, r.world_size),
         mfu_per_rank=utilization(r.model_flops_per_rank, 1),
         hfu_per_rank=utilization(r.hardware_flops_per_rank, 1),
-        profiled_step_overhead=r.profiled_step_s / latency_s)
+        profiled_step_overhead=r.profiled_step_s / latency_s,
+        counting_step_overhead=(None if r.counting_step_s is None
+                                else r.counting_step_s / latency_s))
+
+
+def shape_signature(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor arguments (what decides its FLOPs), in order."""
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return tuple(x.shape)
+        if isinstance(x, list | tuple):
+            return tuple(walk(i) for i in x)
+        if isinstance(x, dict):
+            return tuple((k, walk(v)) for k, v in x.items())
+        return None
+    return walk(args), walk(kwargs)
 
 
 class StepProfiler:
-    """Collects one step of an engine; :meth:`finish` returns the report, its headline
-    still the profiled step's own until :func:`with_headline` gives the steady state."""
+    """Profiles ``profile_step`` P of an engine in two steps (docs/profiling.md): step P-1
+    counts FLOPs (:meth:`start_counting`, a dispatch mode and module hooks: slow, so that
+    step is not timed), step P is timed with cheap marks (:meth:`start_timing`), reusing P-1's
+    counts when its inputs have the same shapes. At P = 0, or when the shapes differ, step P
+    counts too, and the report says so. :meth:`finish` returns the report, its headline still
+    the profiled step's own until :func:`with_headline` gives the steady state."""
 
-    def __init__(self, engine, profile_step: int, timeline: Timeline):
+    def __init__(self, engine, profile_step: int):
         self.engine = engine
         self.profile_step = profile_step
-        self.counter = FlopCounter(engine.module, timeline, replicated_modules(
-            engine.module, engine.topology.tp_size))
+        self.counter: FlopCounter | None = None
+        self.counting = False  # the dispatch mode is on
+        self.flops_step: int | None = None
+        self.flops_source = ""
+        self.shapes: tuple | None = None  # the counting step's first inputs
+        self.timer: ModuleTimer | None = None
         self.tokens = 1
+        # what the counting step fixes, prepared when it ends (outside the timed step)
+        self.rows: list[ModuleRow] = []
+        self.sums: dict[str, list[str]] = {}
+        self.flops: dict[str, Any] = {}
+        self.params_total = 0
 
-    def start(self, args: tuple, kwargs: dict) -> None:
+    # -- step P-1 (or P) ---------------------------------------------------------------------
+    def start_counting(self, step: int, args: tuple, kwargs: dict) -> None:
+        e = self.engine
+        self.counter = FlopCounter(e.module, replicated_modules(e.module, e.topology.tp_size))
+        self.flops_step, self.shapes = step, shape_signature(args, kwargs)
         self.tokens = tokens_per_sample(args, kwargs)
+        self.counting = True
+        self.counter.start()
+
+    def stop_counting(self) -> None:
+        """The end of the counting step: the mode goes, the next step's timer is made and
+        its hooks registered here, outside the timed step."""
+        self._end_count()
+        self._make_timer()
+
+    def _end_count(self) -> None:
+        """The mode goes; the report's parts that the counts fix are prepared now: the
+        module rows' params and FLOPs, the FLOP figures, the model's size."""
+        assert self.counter is not None
+        self.counter.stop()
+        self.counting = False
+        e = self.engine
+        self.rows, self.sums = module_rows(e.module, self.counter, e.zero.held_numel_by_param())
+        self.flops = flop_figures(self.counter, e.topology.tp_size)
+        self.params_total = model_numel(e)
+
+    def _make_timer(self) -> None:
+        """The timer of step P, its hooks registered and its CUDA events made here. The pool
+        holds the marks the counting step's calls would take (a step that needs more grows
+        it: an event made in the step costs more, nothing else)."""
+        e = self.engine
+        assert self.counter is not None
+        backward = top_level_paths(e.module)
+        calls = self.counter.calls or sum(1 for _ in e.module.modules()) * e.grad_accum
+        # enter + exit per forward call and per timed backward, a few phase marks per micro-step
+        size = 2 * calls + (2 * len(backward) + 8) * e.grad_accum
+        self.timer = ModuleTimer(e.module, marks_for(e.device, size), backward)
+        self.timer.register()
+
+    # -- step P --------------------------------------------------------------------------------
+    def start_timing(self, args: tuple, kwargs: dict) -> None:
+        p = self.profile_step
+        if self.counter is None or shape_signature(args, kwargs) != self.shapes:
+            self.flops_source = (
+                f"counted in step {p} itself (no earlier step to count in: the overhead "
+                "includes counting)" if self.counter is None else
+                f"counted in step {p} itself: its inputs' shapes differ from step "
+                f"{self.flops_step}'s (the overhead includes counting)")
+            self.start_counting(p, args, kwargs)
+            if self.timer is None:  # else step P-1 made it, with its hooks
+                self._make_timer()
+        else:
+            self.flops_source = (f"counted in step {self.flops_step} (same input shapes), "
+                                 f"not in the timed step {p}")
         if self.engine.device.type == "cuda":  # host-side bookkeeping: no synchronisation
             torch.cuda.reset_peak_memory_stats(self.engine.device)
-        self.counter.start()
+        assert self.timer is not None
+        self.timer.arm()
+
+    def set_phase(self, phase: str) -> None:
+        if self.counting:
+            assert self.counter is not None
+            self.counter.set_phase(phase)
+        if self.timer is not None and self.timer.armed:
+            self.timer.set_phase(phase)
+
+    def end_backward(self) -> None:
+        if self.counting:
+            assert self.counter is not None
+            self.counter.end_backward()
+        if self.timer is not None and self.timer.armed:
+            self.timer.end_backward()
+
+    def stop(self) -> None:
+        """Remove whatever is still hooked (the engine closes before step P ends)."""
+        if self.counting:
+            self.stop_counting()
+        if self.timer is not None:
+            self.timer.stop()
 
     def finish(self, step: StepTime, clock: StepClock) -> ProfileReport:
         """The report of ``step`` (the clock's record of the profiled step)."""
-        self.counter.stop(end=step.end)  # reads the marks: one wait, for the step's end
+        assert self.timer is not None and self.counter is not None
+        self.timer.stop()
+        if self.counting:  # counted in this step
+            self._end_count()
+        self.timer.read()  # one wait, for the timer's last mark
+        time_rows(self.rows, self.sums, self.timer)
         profiled_s = clock.seconds(step)
-        e, c = self.engine, self.counter
-        times = c.phase_latency
+        counted = [s for s in clock.steps if s.step == self.flops_step and s.timed]
+        counting_s = (clock.seconds(counted[-1]) if counted and self.flops_step != step.step
+                      else None)
+        report = self._report(profiled_s, self.counter, self.timer)
+        return replace(report, counting_step_s=counting_s, flops_step=self.flops_step,
+                       flops_source=self.flops_source)
+
+    def _report(self, profiled_s: float, c: FlopCounter, timer: ModuleTimer) -> ProfileReport:
+        e = self.engine
+        times = timer.phase_latency
         fcfg = e.config.flops_profiler
         peak, peak_source = device_peak_flops(e.device, fcfg.peak_flops)
-        flops = flop_figures(c, e.topology.tp_size)
+        flops = self.flops
         mem_peak, reserved, mem_source = peak_memory(e.device)
         memory = e.memory_report()
         comm = e.comm_report()
@@ -209,7 +346,7 @@ class StepProfiler:
             zero_stage=e.zero_stage, zero_description=describe_zero(
                 e.zero_stage, e.dp_comm.size, e.comm.size, e.topology.tp_size,
                 e.topology.pp_size),
-            params_total=model_numel(e), params_per_rank=e.zero.held_numel(),
+            params_total=self.params_total, params_per_rank=e.zero.held_numel(),
             gathered_params_peak=e.zero.memory.peak // e.compute_dtype.itemsize,
             step_flops_per_rank=c.total("step"),
             **{k: v for k, v in flops.items() if not k.endswith("_model_rank")},
@@ -224,7 +361,7 @@ class StepProfiler:
             reserved_memory_bytes=reserved, model_state_bytes=rank_values["model_state_bytes"],
             comm=comm, comm_hidden_fraction=(1 - exposed_s / total_s) if total_s else None,
             global_batch=e.train_batch_size(), tokens_per_sample=self.tokens,
-            modules=module_rows(e.module, c, e.zero.held_numel_by_param()),
+            modules=self.rows,
             rank_min_max={k: [min(per_rank[k]), max(per_rank[k])] for k in SPREAD_KEYS
                           if k != "reserved_memory_bytes" or reserved is not None},
             transfers=e.transfer_report() if hasattr(e, "transfer_report") else None,
@@ -248,7 +385,7 @@ UNSET_HEADLINE: dict = dict(
     iter_latency_s=0.0, headline_steps=[], headline_source="", headline_final=False,
     samples_per_second=0.0, tokens_per_second=0.0, model_flops_per_second_per_rank=0.0,
     hardware_flops_per_second_per_rank=0.0, mfu=None, hfu=None, mfu_per_rank=None,
-    hfu_per_rank=None, profiled_step_overhead=0.0)
+    hfu_per_rank=None, profiled_step_overhead=0.0, counting_step_overhead=None)
 
 
 def write_report(report: ProfileReport, output_file: str | None, show: bool) -> None:
@@ -274,19 +411,27 @@ def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = 
     kwargs = kwargs or {}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     timeline = timeline_for(device)
-    counter = FlopCounter(model, timeline)
+    counter, timer = FlopCounter(model), ModuleTimer(model, marks_for(device, 64))
+    timer.register()
     counter.start()
+    timer.arm()
     try:
         t0 = timeline.mark()
         out = model(*args, **kwargs)
         t1 = timeline.mark()
         if backward:
-            counter.set_phase("backward")
+            for part in (counter, timer):
+                part.set_phase("backward")
             _sum_outputs(out).backward()
-            counter.set_phase("step")
+            for part in (counter, timer):
+                part.set_phase("step")
         t2 = timeline.mark()
     finally:
         counter.stop()
+        timer.stop()
+    timer.read()
+    rows, sums = module_rows(model, counter, {})
+    time_rows(rows, sums, timer)
     timeline.wait(t2)
     fwd_s, whole_s = timeline.seconds(t0, t1), timeline.seconds(t0, t2)
     params = sum(p.numel() for p in model.parameters())
@@ -309,8 +454,9 @@ def get_model_profile(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         reserved_memory_bytes=reserved, model_state_bytes=0, comm={},
         comm_hidden_fraction=None, global_batch=batch,
         tokens_per_sample=tokens_per_sample(args, kwargs),
-        modules=module_rows(model, counter, {}), module_depth=module_depth,
-        top_modules=top_modules, **UNSET_HEADLINE)
+        modules=rows, module_depth=module_depth,
+        top_modules=top_modules, flops_source="counted in the profiled call itself",
+        **UNSET_HEADLINE)
     return with_headline(report, whole_s, [], "the profiled call itself (a plain module)",
                          final=True)
 

@@ -10,7 +10,8 @@ module, so the host keeps running ahead of the device as it does in an unprofile
 :class:`StepClock` is the engine's per-step timing on the same timeline: one mark when an
 optimizer step's window opens (its first forward) and one when ``step()`` ends. Those steps'
 seconds are the monitors' ``step_time`` and the profiler's headline (the median of the last K
-unprofiled steps after the first), one set of numbers.
+unprofiled steps after the first), one set of numbers. Module times use the same kind of
+marks, pooled (:mod:`meshzero.profiling.marks`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class StepTime:
     step: int  # the optimizer step's index (engine.global_steps while it ran)
     start: Any
     end: Any
-    profiled: bool
+    profiled: bool  # the profiler's step P or its FLOP-counting step P-1
     timed: bool = True  # False: no start mark
 
 
