@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from meshzero.comm import Communicator
+    from meshzero.faults.phase import PhaseCheck
     from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ class StepGuard:
     """The non-finite check of one engine's steps and what it decided."""
 
     def __init__(self, *, mode: str, fp16: bool, comm: Communicator,
-                 model_parallel: Sequence[Communicator] = (), rank: int = 0):
+                 model_parallel: Sequence[Communicator] = (), rank: int = 0,
+                 phases: PhaseCheck | None = None):
         """``mode``: faults.nonfinite_grads; ``comm``: the ranks ZeRO shards over;
-        ``model_parallel``: tp and pp communicators (their ranks hold other parameters)."""
+        ``model_parallel``: tp and pp communicators (their ranks hold other parameters);
+        ``phases``: the phase check over ``comm``'s ranks (faults/phase.py), whose exchange
+        the sum over ``comm`` is made on: the step's phase check rides on it (None: an
+        all-reduce over ``comm``)."""
         if mode not in ("skip", "raise"):
             raise ValueError(f"faults.nonfinite_grads = {mode!r}; use 'skip' or 'raise'")
         self.mode = mode
@@ -55,6 +60,7 @@ class StepGuard:
         self.comm = comm
         self.model_parallel = list(model_parallel)
         self.rank = rank
+        self.phases = phases
         self.step_applied = False  # whether the last step() changed the weights
 
     @staticmethod
@@ -73,13 +79,24 @@ class StepGuard:
         rides = need_norm or self.fp16  # the step all-reduces stats anyway
         return state.reduce_grad_stats(
             need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
-            replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP)
+            replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP,
+            exchange=self._exchange())
+
+    def _exchange(self) -> Callable[[torch.Tensor, str], None] | None:
+        """The sum over ``comm``'s ranks as a phase exchange, when there is a group."""
+        phases = self.phases
+        return None if phases is None or phases.comm is None else phases.all_reduce
 
     def check_unit_steps(self, stepped: int, refused: int, step: int) -> bool:
         """After units were stepped during backward: True (skip the step) when every rank
         refused its first unit for non-finite gradients; raise when some were stepped."""
         flags = torch.tensor([float(refused > 0), float(stepped > 0)], dtype=torch.float64)
-        for comm in [self.comm, *self.model_parallel]:
+        exchange = self._exchange()
+        if exchange is None:
+            self.comm.all_reduce(flags, name=CHECK_OP).wait()
+        else:
+            exchange(flags, CHECK_OP)
+        for comm in self.model_parallel:
             comm.all_reduce(flags, name=CHECK_OP).wait()
         any_refused, any_stepped = flags.tolist()
         if not any_refused:
