@@ -1,15 +1,17 @@
 """The cost of the phase check (faults/phase.py) on the default training path.
 
-    python benchmarks/phase_check.py --stage 2 --steps 200 [--width 2048]
+    python benchmarks/phase_check.py --stage 2 --steps 200 [--width 2048] [--aa]
 
 Two ranks on gloo train an MLP (4 x Linear(width, width) + GELU, 8 samples per rank); the
 steps alternate between the phase check on and off, each started after a barrier, so both
 see the same machine load. Off: no post at the backward's entry, and the step's non-finite
 check sums over the data group by its own all-reduce, as before the check existed; stage
 3's unit-order check runs in both. Prints rank 0's median step time of each, their ratio,
-and the exchanges on the check's group per step (phase_check: the check's own posts;
-step_check: the non-finite check's sum, which carries the step's phase; order_check: stage
-3's unit-order check).
+and the check's ops per step (phase_check: the check's own posts; step_check: the
+non-finite check's sum, on: a phase exchange over the check's group carrying the step's
+phase, off: an all-reduce over the data group; order_check: stage 3's unit-order check,
+none at width 256, whose layers stay resident under the persistence threshold). ``--aa``:
+off in both halves, the ratio's own noise on this machine.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> N
     times: dict[bool, list[float]] = {True: [], False: []}
     ops: Counter = Counter()  # (on, op) -> count of the check's ops
     for i in range(args.steps):
-        on[0] = i % 2 == 0
+        on[0] = i % 2 == 0 and not args.aa
         engine.guard.phases = phases if on[0] else None  # off: the sum by all-reduce
         dist.barrier()
         t0 = time.perf_counter()
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-        times[on[0]].append(time.perf_counter() - t0)
-        ops.update({(on[0], op): n for op, n in _control_ops(engine).items()})
+        times[i % 2 == 0].append(time.perf_counter() - t0)
+        ops.update({(i % 2 == 0, op): n for op, n in _control_ops(engine).items()})
     if rank == 0:
         out.put(({k: statistics.median(v[5:]) for k, v in times.items()},
                  {f"{'on' if k[0] else 'off'}: {k[1]}": n / len(times[k[0]])
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--aa", action="store_true",
+                        help="the check off in both halves: the ratio's noise on this machine")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -94,9 +98,9 @@ def main() -> None:
         res, exchanges = out.get(timeout=1200)
         for p in procs:
             p.join()
+    first = "off (A/A: even steps)" if args.aa else "with the phase check"
     print(f"stage {args.stage}, W=2, width {args.width}: median step {res[True] * 1e3:.3f} ms "
-          f"with the phase check, {res[False] * 1e3:.3f} ms without, ratio "
-          f"{res[True] / res[False]:.3f}")
+          f"{first}, {res[False] * 1e3:.3f} ms without, ratio {res[True] / res[False]:.3f}")
     print("ops per step: " + ", ".join(f"{k} {v:g}" for k, v in exchanges.items()))
 
 

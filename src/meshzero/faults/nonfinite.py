@@ -5,11 +5,12 @@ What makes the decision the same on every rank:
 
 - A non-finite loss seeds its backward with NaN (:meth:`StepGuard.seed`), so it always makes
   non-finite gradients (``loss + inf`` alone would give finite ones).
-- At the step, the count of non-finite gradient elements rides on the all-reduce the step
-  already does for the gradient norm (``gradient_clipping``) or the fp16 overflow check.
-  Without one, one all-reduce of two numbers does it, counted apart as ``step_check``
-  (stage 0 needs none: its gradients are all-reduced, so every rank holds the same values;
-  tensor and pipeline parallel ranks are always included).
+- At the step, the count of non-finite gradient elements and the squared gradient norm
+  (``gradient_clipping``, the fp16 overflow check) are summed over the ZeRO ranks once, by
+  the phase check's exchange (faults/phase.py: it carries the step's phase check too),
+  counted as ``step_check``; at one rank by an all-reduce (stage 0 needs none: its
+  gradients are all-reduced, so every rank holds the same values; tensor and pipeline
+  parallel ranks are always included, by all-reduces over their groups).
 - With ``offload_optimizer: cpu`` and nothing global before the step, units are stepped
   during backward: a rank's non-finite gradient is spread to the whole reduced group (every
   rank's shard holds NaN), each rank's stepper refuses that unit and every one after it, and
@@ -83,9 +84,13 @@ class StepGuard:
             exchange=self._exchange())
 
     def _exchange(self) -> Callable[[torch.Tensor, str], None] | None:
-        """The sum over ``comm``'s ranks as a phase exchange, when there is a group."""
+        """The sum over ``comm``'s ranks as a phase exchange, when there is a group: counted
+        as the check's own op (``step_check``) whatever rides on it, the exchange's rows
+        being the phase check's, not a gradient all-reduce's."""
         phases = self.phases
-        return None if phases is None or phases.comm is None else phases.all_reduce
+        if phases is None or phases.comm is None:
+            return None
+        return lambda values, _: phases.all_reduce(values, CHECK_OP)
 
     def check_unit_steps(self, stepped: int, refused: int, step: int) -> bool:
         """After units were stepped during backward: True (skip the step) when every rank
