@@ -270,23 +270,32 @@ def _runs(path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.name.startswith(nvme_owner.PREFIX))
 
 
+def _start(*args: str) -> subprocess.Popen:
+    """``python args...`` with one thread and this checkout's meshzero, output piped."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until ``proc`` prints its "ready" line (training, its NVMe files written)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.communicate(timeout=timeout))
+
+
 @pytest.mark.parametrize("signals", [
     (signal.SIGTERM,),
     # SIGKILL is the crash no handler sees
     pytest.param((signal.SIGINT, signal.SIGKILL), marks=pytest.mark.slow)])
 def test_signal_removes_the_files_and_ends_the_process_by_it(tmp_path, signals):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
     procs = {}
     for sig in signals:  # all at once: the imports dominate
         path = tmp_path / sig.name
         path.mkdir()
-        procs[sig] = (path, subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT, str(path)],
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             text=True, env=env))
+        procs[sig] = (path, _start("-c", SIGNAL_SCRIPT, str(path)))
     for sig, (path, proc) in procs.items():
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", (line, proc.communicate(timeout=60))
+        _wait_ready(proc)
         assert len(_runs(path)) == 1  # the run's directory exists while it trains
         proc.send_signal(sig)
     for sig, (path, proc) in procs.items():
@@ -324,13 +333,9 @@ def test_sigterm_removes_the_files_while_the_main_thread_is_blocked(tmp_path):
     """The race behind files left after SIGTERM to torchrun: a rank blocked in a collective
     runs no Python handler until the wait ends, and torchrun's SIGKILL comes 30 s after its
     SIGTERM. The files go at once anyway; the process still ends by SIGTERM."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
     blocked_s = 8.0
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_SCRIPT, str(tmp_path), str(blocked_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "ready", (line, proc.communicate(timeout=60))
+    proc = _start("-c", BLOCKED_SCRIPT, str(tmp_path), str(blocked_s))
+    _wait_ready(proc)
     assert len(_runs(tmp_path)) == 1
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -371,13 +376,9 @@ def _sigterm_torchrun(tmp_path, delay: float) -> None:
     script, nvme = tmp_path / "job.py", tmp_path / "nvme"
     nvme.mkdir(parents=True)
     script.write_text(TORCHRUN_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node=2", str(script), str(nvme)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "ready", (line, proc.communicate(timeout=120))
+    proc = _start("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  str(script), str(nvme))
+    _wait_ready(proc, timeout=120)
     assert len(_runs(nvme)) == 2  # one directory per rank
     time.sleep(delay)
     proc.send_signal(signal.SIGTERM)

@@ -5,7 +5,10 @@ and a failed collective names the phase its rank was in as it waited (docs/failu
 - ``if rank == 0: engine.save_checkpoint(...)`` (or ``load_checkpoint``,
   ``full_state_dict``) while the other rank trains: a PhaseError on both ranks within
   seconds ("save_checkpoint was called on rank 0 while rank 1 is in forward (step 1,
-  gathering unit 0 ('<root>')); call it on every rank"), at stages 0, 2 and 3.
+  gathering unit 0 ('<root>')); call it on every rank"), at stages 0, 2 and 3; made
+  between a backward and the step, it meets the other rank's step at the step's non-finite
+  check, which carries the step's phase (stages 2 and 3, and with units stepped during
+  backward), or at stage 0, whose step runs no collective, the next backward.
 - A rank stalled inside a checkpoint save: the other rank's CollectiveError says
   "(checkpoint save)", not the last training phase; an op issued in backward and waited on
   in a save names both; a tensor-parallel style collective (``meshzero.comm.all_reduce``
@@ -39,16 +42,19 @@ def _train_step(engine, model) -> None:
 
 
 def _subset_call(rank: int, world: int, stage: int, odd: str, others: str, where: str,
-                 save_dir: str):
+                 save_dir: str, zero: dict):
     """In the second step rank 0 makes ``odd`` (before its forward, or after its backward)
     while rank 1 goes on (``others``: trains, or makes another engine call); (error type,
     message, seconds) on each rank."""
     model = build_model("mlp", 0)
-    cfg = zero_config(stage, global_batch=2 * world, faults={"comm_timeout": 60})
+    cfg = zero_config(stage, global_batch=2 * world, faults={"comm_timeout": 60},
+                      zero_optimization=zero)
     engine, *_ = meshzero.initialize(model=model, config=cfg)
     calls = {"save_checkpoint": lambda: engine.save_checkpoint(save_dir),
              "load_checkpoint": lambda: engine.load_checkpoint(save_dir),
-             "full_state_dict": engine.full_state_dict, "train": engine.step}
+             "full_state_dict": engine.full_state_dict, "train": engine.step,
+             # stage 0's step runs no collective: the next backward meets the call
+             "step, train": lambda: (engine.step(), _train_step(engine, model))}
     t0 = time.perf_counter()
     try:
         with engine:
@@ -64,24 +70,31 @@ def _subset_call(rank: int, world: int, stage: int, odd: str, others: str, where
     return None, "", time.perf_counter() - t0
 
 
-CASES = [  # (stage, rank 0's call, rank 1's, where, what rank 1 is said to be in)
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}  # units stepped during backward
+CASES = [  # (stage, rank 0's call, rank 1's, where, what rank 1 is said to be in, zero)
     (3, "save_checkpoint", "train", "before forward",
-     "rank 1 is in forward (step 1, gathering unit 0 ('<root>'))"),
-    (2, "save_checkpoint", "train", "before forward", "rank 1 is in backward (step 1)"),
-    (0, "full_state_dict", "train", "before forward", "rank 1 is in backward (step 1)"),
-    (2, "load_checkpoint", "train", "after backward", "rank 1 is in step() (step 1)"),
+     "rank 1 is in forward (step 1, gathering unit 0 ('<root>'))", {}),
+    (2, "save_checkpoint", "train", "before forward", "rank 1 is in backward (step 1)", {}),
+    (0, "full_state_dict", "train", "before forward", "rank 1 is in backward (step 1)", {}),
+    # the step posts nothing of its own: its non-finite check's sum carries its phase
+    (2, "load_checkpoint", "train", "after backward", "rank 1 is in step() (step 1)", {}),
+    (3, "save_checkpoint", "train", "after backward", "rank 1 is in step() (step 1)", {}),
+    (2, "save_checkpoint", "train", "after backward", "rank 1 is in step() (step 1)",
+     OFFLOAD),
+    (0, "save_checkpoint", "step, train", "after backward", "rank 1 is in backward (step 2)",
+     {}),
     (3, "full_state_dict", "save_checkpoint", "before forward",
-     "rank 1 called save_checkpoint (step 1)"),
+     "rank 1 called save_checkpoint (step 1)", {}),
 ]
 
 
 def test_a_call_on_some_ranks_only_fails_at_once_on_every_rank(launched):
     per_rank = [subset for subset, _, _ in launched]
-    for i, (stage, odd, others, _, theirs) in enumerate(CASES):
+    for i, (stage, odd, others, _, theirs, _) in enumerate(CASES):
         for kind, message, seconds in (per_rank[0][i], per_rank[1][i]):
             assert kind == "PhaseError", (stage, odd, kind, message)
             assert message.startswith(f"{odd} was called on rank 0 while {theirs}"), message
-            assert message.endswith("call it on every rank") or others != "train", message
+            assert message.endswith("call it on every rank") or "train" not in others, message
             assert seconds < 10, (stage, odd, seconds)
 
 
@@ -144,7 +157,7 @@ def _barrier(store: str, world: int) -> None:
 
 
 def _launch(rank: int, world: int, tmp: str) -> tuple:
-    subset = [_subset_call(rank, world, *case[:4], f"{tmp}/ck") for case in CASES]
+    subset = [_subset_call(rank, world, *case[:4], f"{tmp}/ck", case[5]) for case in CASES]
     _barrier(f"{tmp}/barrier1", world)
     saved = _stall_in_save(rank, world, f"{tmp}/ck", f"{tmp}/store2")
     _barrier(f"{tmp}/barrier2", world)

@@ -100,7 +100,8 @@ class Engine(nn.Module):
         self.counters = StepCounters()
         self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.fp16.enabled,
                                comm=self.comm, model_parallel=self.model_parallel_comms,
-                               rank=self.topology.rank)  # inf/nan gradients: faults/
+                               rank=self.topology.rank,  # inf/nan gradients: faults/
+                               phases=self.zero.phases)  # the step's phase check rides on it
         # let the ZeRO tier step each unit during backward when nothing global is needed
         # first (False: always in step(); the benchmark's serial baseline)
         self.overlap_offload_step = True

@@ -5,11 +5,12 @@ What makes the decision the same on every rank:
 
 - A non-finite loss seeds its backward with NaN (:meth:`StepGuard.seed`), so it always makes
   non-finite gradients (``loss + inf`` alone would give finite ones).
-- At the step, the count of non-finite gradient elements rides on the all-reduce the step
-  already does for the gradient norm (``gradient_clipping``) or the fp16 overflow check.
-  Without one, one all-reduce of two numbers does it, counted apart as ``step_check``
-  (stage 0 needs none: its gradients are all-reduced, so every rank holds the same values;
-  tensor and pipeline parallel ranks are always included).
+- At the step, the count of non-finite gradient elements and the squared gradient norm
+  (``gradient_clipping``, the fp16 overflow check) are summed over the ZeRO ranks once, by
+  the phase check's exchange (faults/phase.py: it carries the step's phase check too),
+  counted as ``step_check``; at one rank by an all-reduce (stage 0 needs none: its
+  gradients are all-reduced, so every rank holds the same values; tensor and pipeline
+  parallel ranks are always included, by all-reduces over their groups).
 - With ``offload_optimizer: cpu`` and nothing global before the step, units are stepped
   during backward: a rank's non-finite gradient is spread to the whole reduced group (every
   rank's shard holds NaN), each rank's stepper refuses that unit and every one after it, and
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from meshzero.comm import Communicator
+    from meshzero.faults.phase import PhaseCheck
     from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,13 @@ class StepGuard:
     """The non-finite check of one engine's steps and what it decided."""
 
     def __init__(self, *, mode: str, fp16: bool, comm: Communicator,
-                 model_parallel: Sequence[Communicator] = (), rank: int = 0):
+                 model_parallel: Sequence[Communicator] = (), rank: int = 0,
+                 phases: PhaseCheck | None = None):
         """``mode``: faults.nonfinite_grads; ``comm``: the ranks ZeRO shards over;
-        ``model_parallel``: tp and pp communicators (their ranks hold other parameters)."""
+        ``model_parallel``: tp and pp communicators (their ranks hold other parameters);
+        ``phases``: the phase check over ``comm``'s ranks (faults/phase.py), whose exchange
+        the sum over ``comm`` is made on: the step's phase check rides on it (None: an
+        all-reduce over ``comm``)."""
         if mode not in ("skip", "raise"):
             raise ValueError(f"faults.nonfinite_grads = {mode!r}; use 'skip' or 'raise'")
         self.mode = mode
@@ -55,6 +61,7 @@ class StepGuard:
         self.comm = comm
         self.model_parallel = list(model_parallel)
         self.rank = rank
+        self.phases = phases
         self.step_applied = False  # whether the last step() changed the weights
 
     @staticmethod
@@ -73,13 +80,28 @@ class StepGuard:
         rides = need_norm or self.fp16  # the step all-reduces stats anyway
         return state.reduce_grad_stats(
             need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
-            replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP)
+            replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP,
+            exchange=self._exchange())
+
+    def _exchange(self) -> Callable[[torch.Tensor, str], None] | None:
+        """The sum over ``comm``'s ranks as a phase exchange, when there is a group: counted
+        as the check's own op (``step_check``) whatever rides on it, the exchange's rows
+        being the phase check's, not a gradient all-reduce's."""
+        phases = self.phases
+        if phases is None or phases.comm is None:
+            return None
+        return lambda values, _: phases.all_reduce(values, CHECK_OP)
 
     def check_unit_steps(self, stepped: int, refused: int, step: int) -> bool:
         """After units were stepped during backward: True (skip the step) when every rank
         refused its first unit for non-finite gradients; raise when some were stepped."""
         flags = torch.tensor([float(refused > 0), float(stepped > 0)], dtype=torch.float64)
-        for comm in [self.comm, *self.model_parallel]:
+        exchange = self._exchange()
+        if exchange is None:
+            self.comm.all_reduce(flags, name=CHECK_OP).wait()
+        else:
+            exchange(flags, CHECK_OP)
+        for comm in self.model_parallel:
             comm.all_reduce(flags, name=CHECK_OP).wait()
         any_refused, any_stepped = flags.tolist()
         if not any_refused:

@@ -8,7 +8,8 @@ row per rank::
     [phase code, step, payload...]      int64, the same width on every rank
 
 (the payload: stage 3's unit-order check, ``zero/sharded_params.py``: [count, units..., -1
-padding]). A call made on some ranks only, ``if rank == 0: engine.save_checkpoint(...)``,
+padding]; a sum's values, :meth:`PhaseCheck.all_reduce`: [0, float64 bits...]). A call made
+on some ranks only, ``if rank == 0: engine.save_checkpoint(...)``,
 then fails at once on every rank of the group, naming both sides ("save_checkpoint was
 called on rank 0 while rank 1 is in forward (step 3, gathering unit 2 ('blocks.2')); call it
 on every rank"), instead of waiting for the collective timeout with no line on either rank.
@@ -17,6 +18,14 @@ The group is the ZeRO shard group's ranks (the ranks that run the same collectiv
 lockstep; with tensor or pipeline parallelism, the data-parallel ranks of one piece). It is
 a process group of its own: on the data group the check would queue behind the gathers and
 reductions in flight (gloo runs a group's ops in order) and wait for them all.
+
+The cost on the default training path is one exchange per step, posted at the backward's
+entry and waited on at its first wait (its latency hides behind the backward's compute).
+The step posts nothing of its own: its first collective, the non-finite check's sum
+(faults/nonfinite.py), is made on this group as a phase exchange (:meth:`all_reduce`), so a
+rank in ``step()`` meets a rank in another call there. On two busy CPU cores each exchange
+costs gloo thread wakeups, and a round trip waited on at once a few hundred microseconds to
+milliseconds (benchmarks/phase_check.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ CALLS = {"save_checkpoint": "checkpoint save", "load_checkpoint": "checkpoint lo
          "full_state_dict": "full_state_dict", "save_16bit_model": "16-bit model save",
          "load_weights": "weights load"}
 PHASES = TRAINING + tuple(CALLS.values())  # a phase's code is its index; unknown: len()
+SUM_WIDTH = 2  # the values a sum exchange carries (the step's squared norm, non-finite count)
 _CALL_OF = {phase: call for call, phase in CALLS.items()}
 
 
@@ -57,7 +67,8 @@ class PhaseCheck:
         self.comm = comm
         self.stats = stats
         self.device = device
-        self.width = 2 + payload
+        # [phase, step] and a payload that fits the unit-order check and a sum's [0, values]
+        self.width = 2 + max(payload, 1 + SUM_WIDTH)
         self.unit_names = list(unit_names)
         self.ranks = [0] if comm is None or comm.group is None \
             else dist.get_process_group_ranks(comm.group)
@@ -67,8 +78,9 @@ class PhaseCheck:
     def enter(self, phase: str, post: bool = True) -> None:
         """A training phase starts (``backward``, ``step``): collectives are named in it from
         now on; ``post``: collectives follow, so post the phase ahead of them (settled before
-        the first wait on any of them: its latency hides behind the backward's compute and
-        the step's first collective)."""
+        the first wait on any of them: its latency hides behind the backward's compute). A
+        step whose first collective is the non-finite check's sum needs no post: that sum
+        is a phase exchange (:meth:`all_reduce`)."""
         self.stats.phase = phase
         if post and self.comm is not None:
             self.settle()
@@ -95,29 +107,45 @@ class PhaseCheck:
             self.post()
             yield
 
-    def post(self, payload: Sequence[int] = (), op: str = "phase_check"
-             ) -> list[list[int]] | None:
-        """Exchange [the current phase, step, ``payload``] with every rank of the group
-        (counted as ``op``); PhaseError on every rank unless all are in the same phase.
+    def post(self, payload: Sequence[int] = (), op: str = "phase_check",
+             tail: torch.Tensor | None = None) -> list[list[int]] | None:
+        """Exchange [the current phase, step, ``payload``, ``tail``] with every rank of the
+        group (counted as ``op``); PhaseError on every rank unless all are in the same phase.
         Returns every rank's payload row (None without a group)."""
         comm = self.comm
         if comm is None:
             return None
         self.settle()  # a phase posted ahead comes first on the group
         every = self._every()
-        comm.all_gather(every, self._row(payload), op=op).wait()
+        comm.all_gather(every, self._row(payload, tail), op=op).wait()
         return self._check(every)
 
-    def _row(self, payload: Sequence[int]) -> torch.Tensor:
-        """[phase code, step, payload..., -1 padding] (width,) int64 on the device."""
-        assert len(payload) <= self.width - 2, "a payload wider than the check was built for"
+    def all_reduce(self, values: torch.Tensor, op: str) -> None:
+        """``values`` (k,) float64 <- their sum over the group's ranks, by one phase
+        exchange (counted as ``op``; PhaseError where the ranks' phases differ): the step's
+        first collective carries its phase check this way instead of a post of its own.
+        Every rank adds the rows in rank order, so every rank gets the same bits."""
+        k = values.numel()
+        assert self.comm is not None and values.dtype == torch.float64 and k <= SUM_WIDTH
+        rows = self.post([0], op=op, tail=values.view(torch.int64))
+        assert rows is not None  # a group: rows come back
+        summed = torch.tensor([row[1:1 + k] for row in rows], dtype=torch.int64)
+        values.copy_(summed.view(torch.float64).sum(0))
+
+    def _row(self, payload: Sequence[int], tail: torch.Tensor | None = None) -> torch.Tensor:
+        """[phase code, step, payload..., tail..., -1 padding] (width,) int64 on the device
+        (``tail``: int64 on the device, copied there: no round trip through the host)."""
+        more = 0 if tail is None else tail.numel()
+        assert len(payload) + more <= self.width - 2, "a payload wider than the check allows"
         self.posts += 1
         phase = self.stats.phase
-        mine = torch.full((self.width,), -1, dtype=torch.int64)
-        mine[0] = PHASES.index(phase) if phase in PHASES else len(PHASES)
-        mine[1] = -1 if self.stats.step is None else self.stats.step
-        mine[2:2 + len(payload)] = torch.tensor(list(payload), dtype=torch.int64)
-        return mine.to(self.device)
+        head = [PHASES.index(phase) if phase in PHASES else len(PHASES),
+                -1 if self.stats.step is None else self.stats.step, *payload]
+        mine = torch.tensor(head + [-1] * (self.width - len(head)), dtype=torch.int64)
+        mine = mine.to(self.device)
+        if tail is not None:
+            mine[len(head):len(head) + more] = tail
+        return mine
 
     def _every(self) -> torch.Tensor:
         assert self.comm is not None  # called only with a group

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -124,7 +125,9 @@ class ShardedOptimizerState:
     def reduce_grad_stats(self, *, need_norm: bool, need_overflow: bool,
                           model_parallel: list | None = None,
                           replicated_weight: dict[int, float] | None = None,
-                          op: str = "all_reduce") -> tuple[float, bool]:
+                          op: str = "all_reduce",
+                          exchange: Callable[[torch.Tensor, str], None] | None = None,
+                          ) -> tuple[float, bool]:
         """Squared L2 norm of all gradients and whether any is inf/nan, over every rank.
 
         The owned ranges of all ranks partition the model at stages 1-3 (padding is zero), so
@@ -134,7 +137,9 @@ class ShardedOptimizerState:
         With tensor or pipeline parallelism the model is also split over ``model_parallel``
         communicators (tp, pp): their sums are added too, a parameter replicated over tp
         counted once (``replicated_weight``: id(original parameter) -> 1/tp). The
-        all-reduces are counted under ``op``.
+        all-reduces are counted under ``op``. ``exchange(stats, op)``: sums over this
+        communicator's ranks instead of its all-reduce (the phase check's exchange, which
+        carries the step's phase: faults/phase.py).
         """
         if not (need_norm or need_overflow):
             return 0.0, False
@@ -152,7 +157,9 @@ class ShardedOptimizerState:
                                 device, need_norm)
         else:
             stats += scan_grads([g.grad for g in self._trainable()], None, device, need_norm)
-        if self.stage >= 1:
+        if self.stage >= 1 and exchange is not None:
+            exchange(stats, op)
+        elif self.stage >= 1:
             self.comm.all_reduce(stats, name=op).wait()
         for comm in model_parallel or ():
             comm.all_reduce(stats, name=op).wait()

@@ -203,10 +203,11 @@ class ZeroModelState:
         return self.tier.unit_step_outcome()
 
     def start_step(self) -> bool:
-        """The step at the accumulation boundary: the phase check (when it will run
-        collectives: after a backward), then :meth:`agree_io_failures`, before any other
-        collective of the step."""
-        self.phases.enter("step", post=self.has_reduced_gradients())
+        """The step at the accumulation boundary: the phase check, then
+        :meth:`agree_io_failures`, before any other collective of the step. The step's
+        first collective is its non-finite check, whose sum is a phase exchange (StepGuard):
+        only an NVMe tier's I/O agreement comes before it and needs a post of its own."""
+        self.phases.enter("step", post=self.has_reduced_gradients() and self.tier.name == "nvme")
         return self.agree_io_failures()
 
     def agree_io_failures(self) -> bool:
