@@ -3,8 +3,8 @@ frozen at initialize holds only its parameters; once one of its parameters is un
 engine makes the whole group trainable with its own layout and padding
 (zero/trainability.py). ``estimate(..., trainable="all")`` (``meshzero estimate --trainable
 all``) gives the model states then, equal to ``engine.memory_report()`` after a real
-unfreeze, to the byte, for every rank; the default estimate shows that figure beside its own
-when the model has frozen parameters."""
+unfreeze, to the byte, for every rank (stages 0-3, CPU offload, bf16); the default estimate
+shows that figure beside its own when the model has frozen parameters."""
 
 from __future__ import annotations
 
@@ -18,7 +18,15 @@ from meshzero.estimate.states import total_bytes
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
 
-STAGES = (0, 1, 2, 3)
+# (stage, offload_optimizer, bf16)
+CASES = [(0, "none", False), (1, "none", False), (2, "none", False), (3, "none", False),
+         (1, "cpu", False), (3, "cpu", True), (2, "none", True)]
+
+
+def _config(world: int, stage: int, offload: str, bf16: bool) -> dict:
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    return zero_config(stage, global_batch=2 * world, zero_optimization={
+        "offload_optimizer": {"device": offload}}, **extra)
 
 
 class Block(nn.Module):
@@ -58,14 +66,13 @@ def _step(engine, gen: torch.Generator) -> None:
 
 
 def _reports(rank: int, world: int) -> list[tuple[dict, dict]]:
-    """Per stage: memory_report() after a step with the backbone frozen, and after a step
+    """Per case: memory_report() after a step with the backbone frozen, and after a step
     with every parameter unfrozen."""
     out = []
-    for stage in STAGES:
+    for case in CASES:
         torch.manual_seed(0)
         model = PartlyFrozen()
-        engine, *_ = meshzero.initialize(model=model, config=zero_config(
-            stage, global_batch=2 * world))
+        engine, *_ = meshzero.initialize(model=model, config=_config(world, *case))
         gen = torch.Generator().manual_seed(rank)
         _step(engine, gen)
         frozen = engine.memory_report()
@@ -81,16 +88,16 @@ def test_trainable_all_equals_memory_report_after_unfreezing(tmp_path, world_siz
     measured = run_distributed(_reports, world_size, tmp_path, timeout=240)
     estimator = Estimator(load_model(PartlyFrozen))
     cluster = Cluster(nodes=1, gpus_per_node=world_size)
-    for i, stage in enumerate(STAGES):
-        config = zero_config(stage, global_batch=2 * world_size)
+    for i, case in enumerate(CASES):
+        config, stage = _config(world_size, *case), case[0]
         as_built = settings_from_config(config, world_size)
         unfrozen = settings_from_config(config, world_size, trainable="all")
         for rank in range(world_size):
             frozen_got, unfrozen_got = measured[rank][i]
             want = estimator.states(as_built, world_size).report(rank)
-            assert want == {k: frozen_got[k] for k in want}, (stage, rank)
+            assert want == {k: frozen_got[k] for k in want}, (case, rank)
             want = estimator.states(unfrozen, world_size).report(rank)
-            assert want == {k: unfrozen_got[k] for k in want}, (stage, rank)
+            assert want == {k: unfrozen_got[k] for k in want}, (case, rank)
         # the default estimate carries the unfrozen figure of the rank holding the most
         est = estimator.estimate(as_built, cluster, search_micro_batch=False)
         assert est.unfrozen_states is not None
