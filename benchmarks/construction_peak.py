@@ -1,19 +1,31 @@
 """Peak host memory of building a model for ZeRO-3: eager construction vs ``zero_init``.
 
-    python benchmarks/construction_peak.py [--world-size 2] [--stage 3] [--blocks 15]
+    python benchmarks/construction_peak.py [--model hidden] [--world-size 2] [--stage 3]
 
-The model (issue 15): about 96 M fp32 parameters in 16 pieces of ~24 MB with odd widths, a
-tied embedding (5,993 x 1,001, shared with the head) and 15 blocks (LayerNorm, 1,001 ->
-2,997 -> 1,001). One unit is one block's bytes. Each rank under torchrun (gloo on CPU)
-resets its peak RSS (``/proc/self/clear_refs`` 5), builds the engine, and reports
+Models (odd width 1001, a tied embedding; one unit is one block's fp32 bytes):
+    tied_lm    5,993 x 1,001 embedding tied to the head (nanoGPT's tie), 15 blocks of
+               LayerNorm, Linear(1001, 2997), ReLU, Linear(2997, 1001)      (issue 15)
+    tied_gelu  the same with GELU, 16 blocks, Hugging Face's tie               (issue 26)
+    hidden     issue 26's hidden model as we read it: 16 pre-LN blocks of LayerNorm,
+               Linear(1001, 4004), GELU, Linear(4004, 1001), a 16,384 x 1,001 embedding
+               tied to the head (2.04 units: the root unit is the largest)
+
+Each rank under torchrun (gloo on CPU) resets its peak RSS (``/proc/self/clear_refs`` 5),
+builds the engine, and reports
 
     peak beyond states = (VmHWM - RSS before) - bytes of the model states it holds after
 
-(``memory_report()``: parameter, master and gradient shards), in units; the table gives
-the worst rank. A tiny engine is built first, the same way, so that the imports and
-threads a first engine starts (tens of MB, whatever the model) are not counted. Eager
-construction holds the whole model (+ the ZeRO copy of each unit) before it is sharded;
-``zero_init`` materialises one unit at a time.
+(``memory_report()``: parameter, master and gradient shards), in units; the table gives the
+worst rank. Two starts per construction:
+
+    fresh   the process has built no engine yet: an outside probe's view. The first engine
+            imports torch._dynamo and sympy (``torch.optim.Optimizer.add_param_group`` and any
+            ``TorchDispatchMode`` import them on first use: about 74 MB) and meshzero's
+            modules, pydantic and safetensors (about 23 MB), whatever the model
+    warm    a tiny engine is built first, the same way: construction alone
+
+Eager construction holds the whole model (+ the ZeRO copy of each unit) before it is
+sharded; ``zero_init`` materialises one unit at a time, the largest first.
 """
 
 from __future__ import annotations
@@ -91,7 +103,18 @@ class TiedGelu(nn.Module):
         return self.head(self.norm(x))
 
 
-MODELS = {"tied_lm": TiedLM, "tied_gelu": TiedGelu}
+class Hidden(TiedGelu):
+    """Issue 26's hidden model as we read it: a 4x MLP, a 16,384-token tied embedding."""
+
+    def __init__(self, vocab: int = 16384, dim: int = 1001, hidden: int = 4004,
+                 blocks: int = 16) -> None:
+        super().__init__(vocab, dim, hidden, blocks)
+
+
+MODELS = {"tied_lm": TiedLM, "tied_gelu": TiedGelu, "hidden": Hidden}
+# one block of each model, for the unit: (block class, width, hidden width)
+UNIT_BLOCK = {"tied_lm": (Block, 1001, 2997), "tied_gelu": (GeluBlock, 1001, 2997),
+              "hidden": (GeluBlock, 1001, 4004)}
 
 
 def _status(key: str) -> int:
@@ -128,23 +151,29 @@ def worker(args: argparse.Namespace) -> None:
     config = {"train_batch_size": world, "seed": 0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": args.stage}}
-    unit = sum(p.numel() for p in Block(1001, 2997).parameters()) * 4
-    # the first engine imports modules and starts threads (tens of MB, whatever the model):
-    # build a tiny one first, the same way, so the measurement holds construction alone
+    block, dim, hidden = UNIT_BLOCK[args.model]
+    unit = sum(p.numel() for p in block(dim, hidden).parameters()) * 4
     model = MODELS[args.model]
-    _build(args.how, lambda: model(vocab=8, dim=3, hidden=5, blocks=2), config)[0].close()
-    gc.collect()
+    first_engine = 0
+    if args.process == "warm":  # the first engine's imports and threads, then construction alone
+        gc.collect()
+        before = _status("VmRSS")
+        _build(args.how, lambda: model(vocab=8, dim=3, hidden=5, blocks=2), config)[0].close()
+        gc.collect()
+        first_engine = _status("VmRSS") - before
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     base = _status("VmRSS")
-    engine = _build(args.how, lambda: model(blocks=args.blocks), config)[0]
+    kwargs = {} if args.blocks is None else {"blocks": args.blocks}
+    engine = _build(args.how, lambda: model(**kwargs), config)[0]
     peak = _status("VmHWM") - base
     gc.collect()
     after = _status("VmRSS") - base
     states = _state_bytes(engine.memory_report())
     numel = sum(p.numel() for p in engine.module.parameters())
     rows: list = [None] * world
-    dist.all_gather_object(rows, {"peak": peak, "after": after, "states": states})
+    dist.all_gather_object(rows, {"peak": peak, "after": after, "states": states,
+                                  "first_engine": first_engine})
     if dist.get_rank() == 0:
         print_result({"unit": unit, "numel": numel, "ranks": rows})
     engine.close()
@@ -152,35 +181,48 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    print("| construction | W | stage | params | unit MB | states MB/rank | peak MB (worst) "
-          "| peak beyond states, units (per rank) | RSS after beyond states, units |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print(f"model {args.model}\n\n"
+          "| construction | start | W | stage | params | unit MB | states MB/rank "
+          "| peak MB (worst) | peak beyond states, units (per rank) "
+          "| RSS after beyond states, units | first engine MB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for how in args.how:
-        res = run_ranks(__file__, args.world_size,
-                        ["--how", how, "--stage", str(args.stage), "--blocks", str(args.blocks),
-                         "--model", args.model])
-        unit = res["unit"]
-        ranks = res["ranks"]
-        beyond = [(r["peak"] - r["states"]) / unit for r in ranks]
-        left = [(r["after"] - r["states"]) / unit for r in ranks]
-        print(f"| {how} | {args.world_size} | {args.stage} | {res['numel'] / 1e6:.1f} M | "
-              f"{unit / 1e6:.1f} | {max(r['states'] for r in ranks) / 1e6:.0f} | "
-              f"{max(r['peak'] for r in ranks) / 1e6:.0f} | **{max(beyond):.2f}** "
-              f"({', '.join(f'{b:.2f}' for b in beyond)}) | {max(left):.2f} |", flush=True)
+        for start in args.process:
+            extra = [] if args.blocks is None else ["--blocks", str(args.blocks)]
+            res = run_ranks(__file__, args.world_size,
+                            ["--how", how, "--stage", str(args.stage), "--model", args.model,
+                             "--process", start, *extra])
+            unit = res["unit"]
+            ranks = res["ranks"]
+            beyond = [(r["peak"] - r["states"]) / unit for r in ranks]
+            left = [(r["after"] - r["states"]) / unit for r in ranks]
+            first = (f"{max(r['first_engine'] for r in ranks) / 1e6:.0f}"
+                     if start == "warm" else "-")
+            print(f"| {how} | {start} | {args.world_size} | {args.stage} | "
+                  f"{res['numel'] / 1e6:.1f} M | {unit / 1e6:.1f} | "
+                  f"{max(r['states'] for r in ranks) / 1e6:.0f} | "
+                  f"{max(r['peak'] for r in ranks) / 1e6:.0f} | **{max(beyond):.2f}** "
+                  f"({', '.join(f'{b:.2f}' for b in beyond)}) | {max(left):.2f} | {first} |",
+                  flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--blocks", type=int, default=15)
-    parser.add_argument("--model", choices=sorted(MODELS), default="tied_lm")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="number of blocks (default: the model's own)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="hidden")
+    parser.add_argument("--process", nargs="+", default=["fresh", "warm"],
+                        choices=["fresh", "warm"],
+                        help="fresh: no engine built before (an outside probe's view); "
+                             "warm: a tiny engine first, so construction alone is measured")
     parser.add_argument("--how", nargs="+", default=["eager", "zero_init"],
                         choices=["eager", "zero_init", "zero_init_block"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.how = args.how[0]
+        args.how, args.process = args.how[0], args.process[0]
         worker(args)
     else:
         run(args)

@@ -11,7 +11,13 @@ from meshzero.checkpoint.model_files import parse_size
 from meshzero.cli import EXIT_DOES_NOT_FIT, EXIT_OK
 from meshzero.estimate.core import Estimator
 from meshzero.estimate.model import ModelSpec, load_model
-from meshzero.estimate.settings import OFFLOAD_DEVICES, PRECISIONS, Cluster, settings_from_config
+from meshzero.estimate.settings import (
+    OFFLOAD_DEVICES,
+    PRECISIONS,
+    TRAINABLE,
+    Cluster,
+    settings_from_config,
+)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +59,11 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                             "the config's offload_param.device, else none)")
         g.add_argument("--micro-batch", type=int, default=None,
                        help="samples per GPU per micro-step (default: the config's, else 1)")
+        g.add_argument("--trainable", choices=list(TRAINABLE), default=None,
+                       help="which parameters hold gradients, masters and optimizer states: "
+                            "'initialize' (default) those with requires_grad at initialize; "
+                            "'all' every one, as after unfreezing a backbone frozen at "
+                            "initialize (its flat groups keep their own padding)")
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="compute dtype; fp32 master weights unless the config sets "
                         "bf16.bf16_master_weights_and_grads (default: the config's bf16/fp16 "
@@ -142,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         grad_dtype=args.grad_dtype,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         micro_batch=args.micro_batch, seq_len=args.seq_len,
-        activation_checkpointing=args.activation_checkpointing, **mesh_of(args))
+        activation_checkpointing=args.activation_checkpointing, trainable=args.trainable,
+        **mesh_of(args))
     est = Estimator(spec, per_sample, pipeline_layout_arg(args)).estimate(settings, cluster)
     print(json.dumps(est.to_dict(), indent=2, default=str) if args.json else est)
     return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT

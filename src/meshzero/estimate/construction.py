@@ -4,9 +4,10 @@
 DeepSpeed's "cold" estimate counts construction, and machines are sized by it: a model built
 eagerly exists whole, in fp32, on every rank (every process of a node builds it) before ZeRO
 shards it, and ZeRO then copies it into flat buffers one unit at a time. Under ``zero_init``
-the parameters are meta until the engine materialises them one unit at a time, straight
-into that unit's flat buffer (benchmarks/construction_peak.py measures it: about one unit
-beyond the states, eager about the whole model plus two units).
+the parameters are meta until the engine materialises them one unit at a time, the largest
+first, straight into that unit's flat buffer (benchmarks/construction_peak.py measures it:
+about one block beyond the states, eager about the whole model plus two units; the
+largest unit is the bound given here).
 
     eager      host:   4 psi (the fp32 model)         device: 4 x largest unit (its flat buffer)
     zero_init  host:   4 x largest unit (on a GPU: materialised on the CPU, then copied)

@@ -52,6 +52,10 @@ class Estimate:
     flops_per_micro_batch: int | None  # forward + backward (+ recompute) on one rank
     max_micro_batch: int | None = None  # None: unknown (activations not counted)
     notes: list[str] = field(default_factory=list)
+    # the model states at rest once every parameter frozen at initialize is unfrozen (their
+    # groups made trainable, zero/trainability.py), of the rank then holding the most; None
+    # when nothing is frozen or the settings count every parameter trainable already
+    unfrozen_states: Report | None = None
 
     @property
     def gpu_bytes(self) -> int:
@@ -145,6 +149,15 @@ class Estimator:
         """The model states of the pp rank holding the most (the only one without pp)."""
         return self.largest(settings, world_size)[1]
 
+    def unfrozen_states(self, settings: Settings, world_size: int) -> Report | None:
+        """The model states at rest of the rank holding the most once every parameter
+        frozen at initialize is unfrozen; None if none is frozen (or all count already)."""
+        if settings.trainable == "all" or all(
+                g.requires_grad for st in self.rank_states(settings, world_size)
+                for g in st.layout.groups()):
+            return None
+        return self.states(settings.replace(trainable="all"), world_size).largest_rank()[1]
+
     def rank_profiles(self, settings: Settings, micro_batch: int
                       ) -> list[ActivationProfile] | None:
         """Activations and FLOPs of one micro-step on every pp rank (None without a model)."""
@@ -228,6 +241,7 @@ class Estimator:
             param_read_buffers=states.param_read_bytes(),
             activations=self.activation_bytes(settings, settings.micro_batch),
             flops_per_micro_batch=profile.flops if profile else None)
+        est.unfrozen_states = self.unfrozen_states(settings, cluster.world_size)
         if seq_note:
             est.notes.append(seq_note)
         if settings.model_parallel > 1:

@@ -3,7 +3,8 @@
 A flag (``stage=2``, ``--offload-optimizer cpu``, ``--tp 2``) names a config key; it is written
 into the config and the whole config is validated again by :func:`meshzero.config.load_config`,
 so a flag is refused exactly as the same key in a ds_config is, with the same message. Only
-``seq_len`` and ``activation_checkpointing`` are the estimator's own: no config key says them.
+``seq_len``, ``activation_checkpointing`` and ``trainable`` are the estimator's own: no config
+key says them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ CONFIG_KEYS: dict[str, str] = {
 }
 # the batch, spelt per rank: micro_batch, and grad_accum (= pp_micro_batches with a pipeline)
 BATCH_KEYS = ("micro_batch", "grad_accum", "pp_micro_batches")
-OWN_KEYS = ("seq_len", "activation_checkpointing")
+OWN_KEYS = ("seq_len", "activation_checkpointing", "trainable")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # compute dtype -> bytes per element
 # An estimate never writes files, so an NVMe tier chosen by a flag needs no real directory;
 # a ds_config that names the nvme device must still give nvme_path (as initialize requires).

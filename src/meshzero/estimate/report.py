@@ -55,6 +55,9 @@ def format_estimate(e: Estimate) -> str:
                           [fmt_bytes(e.model_states[category][t]) for t in TIERS]))
     lines.append(_row("= at rest (what engine.memory_report() reports)",
                       [fmt_bytes(total_bytes(e.model_states, t)) for t in TIERS]))
+    if e.unfrozen_states is not None:
+        lines.append(_row("  after unfreezing the frozen parameters (--trainable all)",
+                          [fmt_bytes(total_bytes(e.unfrozen_states, t)) for t in TIERS]))
     lines.append(_one("gathered params + prefetch (stage 3)", e.gathered))
     lines.append(_one(f"reduce buckets (reduce_bucket_size {si(s.reduce_bucket_size)})",
                       e.reduce_buckets))

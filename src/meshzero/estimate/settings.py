@@ -29,6 +29,9 @@ from meshzero.zero.offload.stepping import chunk_numel
 OFFLOAD_DEVICES: tuple[str, ...] = get_args(OffloadDevice)
 TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
 ASSUMED_OPTIMIZER = "AdamW"  # no optimizer block: the client's optimizer, assumed AdamW
+# which parameters train: as their requires_grad is at initialize, or every one (a group
+# frozen at initialize and unfrozen later: its own layout and padding, now trainable)
+TRAINABLE = ("initialize", "all")
 
 
 @dataclass(frozen=True, init=False)
@@ -66,8 +69,13 @@ class Settings:
     config: Config = field(default_factory=Config, hash=False)
     seq_len: int | None = None
     activation_checkpointing: bool = False
+    trainable: str = "initialize"
 
     def __post_init__(self) -> None:
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable must be one of {list(TRAINABLE)}, got "
+                             f"{self.trainable!r} ('initialize': requires_grad as it is at "
+                             "initialize; 'all': every parameter, frozen ones unfrozen later)")
         if self.config.train_batch_size is not None:
             raise ValueError("Settings needs the batch per rank (micro batch and accumulation "
                              "steps, no train_batch_size): build it with settings_from_config")
@@ -287,6 +295,13 @@ class Settings:
     def param_tier(self) -> str:
         return TIER_OF[self.offload_param]
 
+    def trains(self, group: Any) -> bool:
+        """Whether a flat group (zero/units.GroupLayout) holds a master, gradients and
+        optimizer state: trainable at initialize, or any group with ``trainable="all"``
+        (the engine makes a frozen group trainable, with its own padding, when one of its
+        parameters is unfrozen: zero/trainability.py)."""
+        return bool(group.requires_grad) or self.trainable == "all"
+
     @property
     def model_parallel(self) -> int:
         return self.tp * self.pp
@@ -328,6 +343,8 @@ class Settings:
                 f"{self.micro_batch}, grad accumulation {self.grad_accum}, seq len "
                 f"{self.seq_len if self.seq_len is not None else 'n/a'}, activation "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}"
+                + (", every parameter trainable (frozen ones unfrozen after initialize)"
+                   if self.trainable == "all" else "")
                 + (f", {mesh}" if mesh else ""))
 
 

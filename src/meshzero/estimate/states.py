@@ -109,7 +109,7 @@ class ModelStates:
                 out["params"][s.param_tier] += g.shard_numel * s.compute_bytes
             else:
                 out["params"]["device"] += g.padded_numel * s.compute_bytes
-            if not g.requires_grad:
+            if not s.trains(g):
                 continue
             lo, hi = (0, g.padded_numel) if s.stage == 0 else g.shard_range(rank)
             if s.compute_bytes != s.master_bytes or opt_tier != "device":  # a master copy
@@ -134,7 +134,7 @@ class ModelStates:
         ranks = torch.arange(self.world_size, dtype=torch.int64)
         for index in self._index:
             g = index.group
-            if not g.requires_grad or not index.starts:
+            if not s.trains(g) or not index.starts:
                 continue
             if s.stage == 0:
                 elements, fragments = index.owned(0, g.padded_numel)
@@ -174,7 +174,7 @@ class ModelStates:
         """Padded elements per unit of the groups that are gathered (or reduced) whole."""
         return [sum(g.padded_numel for g in u.groups
                     if (not sharded_only or self._sharded(g))
-                    and (not trainable_only or g.requires_grad))
+                    and (not trainable_only or self.settings.trains(g)))
                 for u in self.layout.units]
 
     def gathered_bytes(self, forward_order: list[int] | None = None) -> int:
@@ -253,7 +253,7 @@ class ModelStates:
         later micro-steps, another dtype or an offloaded shard) a shard-sized output. The
         post-step all-gathers write in place into the resident buffers: no extra bytes."""
         s = self.settings
-        units = [[g.padded_numel for g in u.groups if g.requires_grad] for u in self.layout.units]
+        units = [[g.padded_numel for g in u.groups if s.trains(g)] for u in self.layout.units]
         if not any(units):
             return 0, 0
         transient = s.stage >= 2
@@ -300,7 +300,7 @@ class ModelStates:
         leaves: dict[int, int] = {}
         space = 0
         for g in self.layout.groups():
-            if not g.requires_grad:
+            if not s.trains(g):
                 continue
             lo, hi = (0, g.padded_numel) if s.stage == 0 else g.shard_range(rank)
             for whole in g.fragments(lo, hi):

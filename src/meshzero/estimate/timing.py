@@ -26,9 +26,9 @@ def communication_bytes(layout, s: Settings) -> float:
         sharded = s.stage == 3 and not g.persistent
         per_micro = 1 if g.unit in kept else 2
         gathers = per_micro * s.grad_accum if sharded else (
-            1 if s.stage >= 1 and g.requires_grad else 0)
+            1 if s.stage >= 1 and s.trains(g) else 0)
         total += gathers * g.padded_numel * s.compute_bytes
-        if g.requires_grad:
+        if s.trains(g):
             if s.stage == 0:
                 total += 2 * g.padded_numel * s.comm_bytes
             else:
@@ -38,7 +38,7 @@ def communication_bytes(layout, s: Settings) -> float:
 
 
 def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
-    owned = sum(g.shard_numel for g in layout.groups() if g.requires_grad)
+    owned = sum(g.shard_numel for g in layout.groups() if s.trains(g))
     kept = reuse_kept(layout, s)
     # shards moved to the device per micro-step: one per gather (zero/gather_plan.py)
     moved = sum(g.shard_numel * (1 if g.unit in kept else 2) for g in layout.groups()

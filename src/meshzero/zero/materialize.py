@@ -97,15 +97,21 @@ def _has_nan(t: torch.Tensor) -> bool:
     return t.numel() > 0 and bool(t.detach().max().isnan())
 
 
-def _one_unit_at_a_time(works: list[_Work]) -> list[_Work]:
+def _one_unit_at_a_time(works: list[_Work], layout: Layout) -> list[_Work]:
     """``works`` (in construction order) regrouped so that each unit's modules are made real
-    one after the other, the units in the order they complete: the recorded draws give every
-    parameter its eager values in any order, and a unit whose modules come both before and
-    after the others (the root of a model with a tied embedding and head) no longer holds its
-    flat buffer while every other unit is built."""
+    one after the other, the largest unit first (then in the order they complete): the
+    recorded draws give every parameter its eager values in any order.
+
+    A unit in flight costs its whole flat buffer on top of the shards built so far, so the
+    peak is max over units k of (shards of the units before k + unit k). Building the largest
+    first (a root holding a tied embedding of several blocks' bytes) puts it where few
+    shards exist yet: the peak is then the shards plus about one of the later (smaller)
+    units, not the shards plus the largest. A unit whose modules come both before and after
+    the others (that same root) no longer holds its flat buffer while the others are built."""
     last = {w.unit: i for i, w in enumerate(works)}
     order = {id(w): i for i, w in enumerate(works)}
-    return sorted(works, key=lambda w: (last[w.unit], order[id(w)]))
+    size = {u.index: sum(g.padded_numel for g in u.groups) for u in layout.units}
+    return sorted(works, key=lambda w: (-size[w.unit], last[w.unit], order[id(w)]))
 
 
 class Materializer:
@@ -159,7 +165,7 @@ class Materializer:
                 holders = {id(m) for m, _, _ in self.holders[id(t)]}
                 creator.setdefault(id(t), recorded if recorded in holders else id(w.module))
         if self.replays:
-            works = _one_unit_at_a_time(works)
+            works = _one_unit_at_a_time(works, layout)
         pending = [0] * len(layout.units)
         for w in works:
             pending[w.unit] += 1

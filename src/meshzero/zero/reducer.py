@@ -248,7 +248,13 @@ class GradientReducer:
 
     def _launch(self, unit: int) -> None:
         if not self.touched[unit] if self.stage <= 1 else self.expected[unit] == 0:
-            # no gradient reached the unit (its parameters frozen): nothing to sum
+            # no gradient reached the unit (its parameters frozen): nothing to sum. In the
+            # window's first reduction its gradient shards must then read as zero (the
+            # NVMe tier's file still holds the last step's)
+            if self.grads_are_zero:
+                for group in self.units[unit]:
+                    if group.trainable:
+                        group.tier.no_gradient(group)
             self.unreduced[unit] = 1
             self._reduced(unit)
             return

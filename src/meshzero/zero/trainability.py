@@ -65,12 +65,6 @@ class Trainability:
                               "plain torch, it gets gradients and is never stepped")
         frozen = [p for g in self.groups if g.trainable for p in g.params
                   if not p.requires_grad]
-        if frozen and self.tier_name == "nvme":
-            raise ValueError(
-                f"requires_grad is False for {_names(self.groups, frozen)}, trainable at "
-                "initialize: with offload_optimizer.device nvme the optimizer steps every "
-                "fragment of a tile, so a frozen parameter cannot be skipped. Freeze it "
-                "before meshzero.initialize, or use offload_optimizer.device cpu or none")
         self.frozen_now = frozenset(id(p) for p in frozen)
         opened = not self.window_open
         self.window_frozen = self.frozen_now if opened else self.window_frozen & self.frozen_now
@@ -91,9 +85,10 @@ class Trainability:
             raise ValueError(
                 f"requires_grad was set True after initialize for "
                 f"{_names([group], unfrozen)}, frozen at initialize: with NVMe offload "
-                "its master and optimizer state cannot be created later, and "
-                "requires_grad cannot change after initialize. Set it before "
-                "meshzero.initialize, or use offload device cpu or none")
+                "the files of masters and optimizer states are made at initialize for the "
+                "parameters trainable then. Set requires_grad=True before "
+                "meshzero.initialize (and freeze it until needed: that works at NVMe), or "
+                "use offload device cpu or none")
 
 
 def _names(groups: list[FlatGroup], params: list[nn.Parameter]) -> str:

@@ -142,6 +142,9 @@ class NvmeTier(Tier):
         self.transfers.to_host(host, src.detach(),
                                lambda: self.store.take_grad(group, host, accumulate))
 
+    def no_gradient(self, group: FlatGroup) -> None:
+        self.store.no_gradient(group)  # its grad file region: what the last step read
+
     def grad_stats(self, need_norm: bool, need_overflow: bool,
                    weighted: bool = False) -> tuple[float, float] | None:
         """From the norms taken on the device; else read tile by tile from the file."""
@@ -165,7 +168,7 @@ class NvmeTier(Tier):
 
     def step(self, scale: float) -> None:
         self.transfers.wait()
-        self.store.step(self.optimizer, scale)
+        self.store.step(self.optimizer, scale, self.optim_state.skipped_leaves)
 
     def materialized(self, write_back: bool = False) -> AbstractContextManager[None]:
         self.transfers.wait()

@@ -92,6 +92,7 @@ class NvmeStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshzero-nvme-write")
         self._pool: list[TileBuffers] = []
         self._grad_writes: deque[Future] = deque()
+        self._grad_written: set[int] = set()  # id(group): its grad region may be non-zero
         self._state_ph: dict[tuple[int, str], torch.Tensor] = {}
         self.frozen_offset: dict[int, int] = {}  # id(group) -> its place in "frozen"
         count = self.transfers.count_nvme
@@ -185,6 +186,7 @@ class NvmeStore:
         gradient shard would be; an I/O error is recorded as lost data (the step refuses
         on every rank), never raised here on one rank."""
         what = f"gradient of {group.layout.slots[0].name} and its group"
+        self._grad_written.add(id(group))
         if not accumulate:
             self.faults.new_backward()  # a pipeline's held gradients never start_backward
         if accumulate:
@@ -196,6 +198,16 @@ class NvmeStore:
             self._write_grad, group.space_offset, host, what))
         while len(self._grad_writes) > self.options.buffer_count:
             self._grad_writes.popleft().result()
+
+    def no_gradient(self, group: FlatGroup) -> None:
+        """No gradient reached ``group`` in the window's first reduction (frozen): its grad
+        file region is zeroed, once (the file starts sparse: all zeros)."""
+        if id(group) in self._grad_written:
+            self.flush_grads()
+            zeros = torch.zeros(group.layout.shard_numel, dtype=self.grad_dtype)
+            what = f"gradient of {group.layout.slots[0].name} and its group (zeros)"
+            if self.faults.run(self.grad_file.write, group.space_offset, zeros, what):
+                self._grad_written.discard(id(group))
 
     def _write_grad(self, offset: int, host: torch.Tensor, what: str) -> None:
         try:
@@ -222,8 +234,11 @@ class NvmeStore:
         return sq, bad
 
     # -- the tiled step -----------------------------------------------------------------------
-    def step(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
-        """One optimizer step over every tile, committed on all ranks or on none."""
+    def step(self, optimizer: torch.optim.Optimizer, scale: float,
+             skipped: frozenset[int] = frozenset()) -> None:
+        """One optimizer step over every tile, committed on all ranks or on none. Leaves
+        whose id is in ``skipped`` (frozen through the window, zero/trainability.py) keep
+        ``.grad`` None: torch.optim leaves them and their state alone."""
         self.flush_grads()
         self.shards.drop()
         new = 1 - self.gen
@@ -234,7 +249,7 @@ class NvmeStore:
         fresh: list[tuple[FlatGroup, torch.Tensor]] = []
         try:
             if error is None:
-                self._step_tiles(optimizer, scale, new)
+                self._step_tiles(optimizer, scale, new, skipped)
                 fresh = self._read_params(new)  # before the commit: a failure is agreed on
         except NvmeIOError as exc:
             error = exc
@@ -270,7 +285,8 @@ class NvmeStore:
                           for _ in range(count)]
         return self._pool
 
-    def _step_tiles(self, optimizer: torch.optim.Optimizer, scale: float, new: int) -> None:
+    def _step_tiles(self, optimizer: torch.optim.Optimizer, scale: float, new: int,
+                    skipped: frozenset[int]) -> None:
         free = deque(self._buffers())
         tiles = iter(self.tiles)
         reads: deque[tuple[Tile, TileBuffers, Future]] = deque()
@@ -289,7 +305,7 @@ class NvmeStore:
             while reads:
                 tile, buf, fut = reads.popleft()
                 fut.result()
-                self._step_tile(optimizer, tile, buf, scale)
+                self._step_tile(optimizer, tile, buf, scale, skipped)
                 writes.append((buf, self._writer.submit(self._write_tile, tile, buf, new)))
                 while writes and (writes[0][1].done() or not free):
                     done, fut = writes.popleft()
@@ -331,18 +347,19 @@ class NvmeStore:
                 self.file(kind, gen).write(tile.start, buf.kinds[kind][:n], what)
 
     def _step_tile(self, optimizer: torch.optim.Optimizer, tile: Tile, buf: TileBuffers,
-                   scale: float) -> None:
+                   scale: float, skipped: frozenset[int]) -> None:
         n = tile.numel
         if scale != 1.0:
             buf.grad[:n].mul_(scale)
         for i, (leaf, a, b) in enumerate(tile.leaves):
-            leaf.data, leaf.grad = buf.master[a:b], buf.grad[a:b]
+            leaf.data = buf.master[a:b]
+            leaf.grad = None if id(leaf) in skipped else buf.grad[a:b]
             if self.stepped:
                 state = optimizer.state[leaf]
                 for kind, (dtype, scalar) in self.kinds.items():
                     t = buf.kind(kind, dtype, scalar)
                     state[kind] = t[i] if scalar else t[a:b]
-        step_subset(optimizer, tile.subset)
+        step_subset(optimizer, tile.subset, skipped)
         for i, (leaf, a, b) in enumerate(tile.leaves):
             state = optimizer.state[leaf]
             for kind, value in state.items():
@@ -356,7 +373,19 @@ class NvmeStore:
                     view.copy_(value)
                 state[kind] = self._state_placeholder(leaf, kind, value)
             leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
+        self._zero_missing_states(optimizer, tile, buf)
         buf.params[:n].copy_(buf.master[:n])
+
+    def _zero_missing_states(self, optimizer: torch.optim.Optimizer, tile: Tile,
+                             buf: TileBuffers) -> None:
+        """A leaf skipped since before its first step has no state: its slots are written
+        as zeros (Adam's fresh state: step 0, zero moments), not what the buffer held."""
+        for i, (leaf, a, b) in enumerate(tile.leaves):
+            state = optimizer.state.get(leaf, {})
+            for kind, (dtype, scalar) in self.kinds.items():
+                if kind not in state:
+                    t = buf.kind(kind, dtype, scalar)
+                    (t[i] if scalar else t[a:b]).zero_()
 
     def _state_placeholder(self, leaf: nn.Parameter, kind: str, value: torch.Tensor):
         key = (id(leaf), kind)

@@ -315,6 +315,12 @@ class Tier(ABC):
         # finiteness is wanted (step_scale given: no clipping, no fp16)
         self.want_norms(boundary, torch.float32 if step_scale is not None else torch.float64)
 
+    def no_gradient(self, group: FlatGroup) -> None:
+        """No gradient reached trainable ``group`` in the window's first reduction (its
+        parameters frozen): the reduction is skipped, so its gradient shard must read as
+        zero. An in-memory shard is, since the last step's zero_grads."""
+        return None
+
     def on_unit_reduced(self, unit: int) -> None:
         """Every gradient shard of ``unit`` is complete."""
         return None
