@@ -20,13 +20,15 @@ from tests.engine_runs import zero_config
 
 # (stage, offload_optimizer, bf16)
 CASES = [(0, "none", False), (1, "none", False), (2, "none", False), (3, "none", False),
-         (1, "cpu", False), (3, "cpu", True), (2, "none", True)]
+         (1, "cpu", False), (3, "cpu", True), (2, "none", True), (3, "nvme", False),
+         (1, "nvme", True)]
 
 
-def _config(world: int, stage: int, offload: str, bf16: bool) -> dict:
+def _config(world: int, stage: int, offload: str, bf16: bool, path: str) -> dict:
     extra = {"bf16": {"enabled": True}} if bf16 else {}
+    where = {"nvme_path": path} if offload == "nvme" else {}
     return zero_config(stage, global_batch=2 * world, zero_optimization={
-        "offload_optimizer": {"device": offload}}, **extra)
+        "offload_optimizer": {"device": offload, **where}}, **extra)
 
 
 class Block(nn.Module):
@@ -65,14 +67,14 @@ def _step(engine, gen: torch.Generator) -> None:
     engine.step()
 
 
-def _reports(rank: int, world: int) -> list[tuple[dict, dict]]:
+def _reports(rank: int, world: int, path: str) -> list[tuple[dict, dict]]:
     """Per case: memory_report() after a step with the backbone frozen, and after a step
     with every parameter unfrozen."""
     out = []
     for case in CASES:
         torch.manual_seed(0)
         model = PartlyFrozen()
-        engine, *_ = meshzero.initialize(model=model, config=_config(world, *case))
+        engine, *_ = meshzero.initialize(model=model, config=_config(world, *case, path))
         gen = torch.Generator().manual_seed(rank)
         _step(engine, gen)
         frozen = engine.memory_report()
@@ -85,11 +87,11 @@ def _reports(rank: int, world: int) -> list[tuple[dict, dict]]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trainable_all_equals_memory_report_after_unfreezing(tmp_path, world_size):
-    measured = run_distributed(_reports, world_size, tmp_path, timeout=240)
+    measured = run_distributed(_reports, world_size, tmp_path, str(tmp_path), timeout=240)
     estimator = Estimator(load_model(PartlyFrozen))
     cluster = Cluster(nodes=1, gpus_per_node=world_size)
     for i, case in enumerate(CASES):
-        config, stage = _config(world_size, *case), case[0]
+        config, stage = _config(world_size, *case, str(tmp_path)), case[0]
         as_built = settings_from_config(config, world_size)
         unfrozen = settings_from_config(config, world_size, trainable="all")
         for rank in range(world_size):

@@ -115,31 +115,34 @@ def test_frozen_fragments_skipped_with_16_bit_gradients(launched):
 
 
 NVME_TOGGLES = ["frozen_after_initialize", "gan_alternating_requires_grad",
-               "freeze_then_unfreeze_keeps_state", "requires_grad_per_micro_step"]
+               "freeze_then_unfreeze_keeps_state", "requires_grad_per_micro_step",
+               "unfrozen_after_initialize", "progressive_unfreezing"]
 
 
 def _nvme(rank: int, world: int, path: str, stages: list[int]) -> dict:
-    """Toggles of parameters trainable at initialize with offload_optimizer nvme (stepped
-    tile by tile: the frozen leaves keep .grad None), and the refusal to unfreeze a
-    parameter frozen at initialize (its master and optimizer state have no file)."""
+    """The toggle and unfreeze patterns with offload_optimizer nvme (stepped tile by tile:
+    frozen leaves keep .grad None; a group unfrozen after initialize is appended to the
+    files), and the refusal to unfreeze a stage-3 group frozen at initialize with
+    offload_param nvme (its shard is in the file of frozen parameters)."""
     logging.getLogger("meshzero").setLevel(logging.ERROR)
-    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": path}}}
-    trained = {stage: {name: _train(dataclasses.replace(BY_NAME[name], config=nvme), rank,
-                                    world, stage) for name in NVME_TOGGLES}
+    nvme = {"device": "nvme", "nvme_path": path}
+    optimizer = {"zero_optimization": {"offload_optimizer": nvme}}
+    trained = {stage: {name: _train(dataclasses.replace(BY_NAME[name], config=optimizer),
+                                    rank, world, stage) for name in NVME_TOGGLES}
                for stage in stages}
+    both = {"zero_optimization": {"offload_optimizer": nvme, "offload_param": nvme}}
     errors = []
     for name in ("unfrozen_after_initialize", "progressive_unfreezing"):
         try:
-            _train(dataclasses.replace(BY_NAME[name], config=nvme), rank, world, 2)
+            _train(dataclasses.replace(BY_NAME[name], config=both), rank, world, 3)
         except ValueError as exc:
             errors.append(str(exc))
     return {"trained": trained, "errors": errors}
 
 
 def test_toggles_with_nvme_offload(launched):
-    """Frozen after initialize, GAN alternation, freeze then unfreeze, toggles per
-    micro-step: equal to plain torch at stage 3 with the NVMe tier (stage 1 with the slow
-    set)."""
+    """Every toggle and unfreeze pattern equals plain torch at stage 3 with the NVMe tier
+    (stage 1 with the slow set)."""
     _check_offloaded([r["nvme"]["trained"] for r in launched[0]], [3])
 
 
@@ -149,19 +152,19 @@ def test_toggles_with_nvme_offload_stage_1(tmp_path):
     _check_offloaded([r["trained"] for r in results], [1])
 
 
-def test_nvme_refuses_to_unfreeze_a_group_frozen_at_initialize(launched):
-    """The NVMe files are made at initialize for the trainable groups only: one line at
-    the first backward after the unfreeze, naming the parameters and the fix."""
+def test_nvme_params_refuse_to_unfreeze_a_group_frozen_at_initialize(launched):
+    """offload_param nvme keeps a frozen stage-3 group's shard in a file of its own: one
+    line at the first backward after the unfreeze, naming the parameters and the fix."""
     errors = launched[0][0]["nvme"]["errors"]
     assert len(errors) == 2, errors
     for error, names in zip(errors, ["blocks.0.fc.weight, blocks.0.fc.bias",
                                      "inp.bias"], strict=True):
         assert "\n" not in error, error
-        assert error.startswith(f"requires_grad was set True after initialize for {names}"), \
-            error
+        assert error.startswith(f"requires_grad was set True after initialize for {names}, "
+                                "frozen at initialize: with offload_param nvme"), error
         assert error.endswith("Set requires_grad=True before meshzero.initialize (and "
-                              "freeze it until needed: that works at NVMe), or use offload "
-                              "device cpu or none"), error
+                              "freeze it until needed: that works at NVMe), or use "
+                              "offload_param device cpu or none"), error
 
 
 def _outside_optimizer(rank: int, world: int, stages: list[int]) -> dict:

@@ -106,8 +106,7 @@ class ZeroModelState:
         self.optimizer: torch.optim.Optimizer | None = None
         # id(parameter) -> the optimizer param group it was given in (frozen ones included)
         self.param_group_of: dict[int, int] = {}
-        self.trainability = Trainability(self.groups, tier_name=self.tier.name,
-                                         param_tier=self.tier.param_tier,
+        self.trainability = Trainability(self.groups, param_tier=self.tier.param_tier,
                                          make_trainable=self._make_trainable)
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
@@ -183,6 +182,7 @@ class ZeroModelState:
                 index = 0  # in a group for the checkpoint's sake, but always skipped
             self.optimizer.param_groups[index]["params"].extend(leaves)
         self.reducer.add_group(group.layout.unit, group)
+        self.tier.group_added(group)
         self.tier.attach_optimizer(self.optimizer)
 
     def make_trainable(self, names: Iterable[str]) -> None:

@@ -37,11 +37,10 @@ logger = logging.getLogger(__name__)
 class Trainability:
     """Which parameters the next step skips, and frozen groups made trainable on demand."""
 
-    def __init__(self, groups: list[FlatGroup], *, tier_name: str, param_tier: str,
+    def __init__(self, groups: list[FlatGroup], *, param_tier: str,
                  make_trainable: Callable[[FlatGroup], None]):
         """``make_trainable(group)``: gives a frozen group its optimizer side (the state)."""
         self.groups = groups
-        self.tier_name = tier_name
         self.param_tier = param_tier
         self._make_trainable = make_trainable
         self.window_frozen: frozenset[int] = frozenset()  # frozen in every backward so far
@@ -80,15 +79,15 @@ class Trainability:
 
     def check_can_promote(self, group: FlatGroup) -> None:
         """ValueError where the group's master and optimizer state cannot be made later."""
-        if self.tier_name == "nvme" or (group.sharded and self.param_tier == "nvme"):
+        if group.sharded and self.param_tier == "nvme":
             unfrozen = [p for p in group.params if p.requires_grad] or group.params
             raise ValueError(
                 f"requires_grad was set True after initialize for "
-                f"{_names([group], unfrozen)}, frozen at initialize: with NVMe offload "
-                "the files of masters and optimizer states are made at initialize for the "
-                "parameters trainable then. Set requires_grad=True before "
+                f"{_names([group], unfrozen)}, frozen at initialize: with offload_param "
+                "nvme its stage-3 shard is in the file of frozen parameters, which a "
+                "trainable group cannot use. Set requires_grad=True before "
                 "meshzero.initialize (and freeze it until needed: that works at NVMe), or "
-                "use offload device cpu or none")
+                "use offload_param device cpu or none")
 
 
 def _names(groups: list[FlatGroup], params: list[nn.Parameter]) -> str:

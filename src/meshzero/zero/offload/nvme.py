@@ -97,9 +97,26 @@ class NvmeTier(Tier):
 
     # -- where things live ---------------------------------------------------------------------
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
-        """The initial master goes straight to its file; the group keeps a placeholder."""
-        self.store.write_master(self._offsets[(group.layout.unit, group.layout.index)], init)
+        """The initial master goes straight to its file; the group keeps a placeholder. A
+        group frozen at initialize and unfrozen now is appended to the optimizer space (the
+        files grow: zeros, Adam's fresh state), as ShardedOptimizerState.add_group does."""
+        key = (group.layout.unit, group.layout.index)
+        if key not in self._offsets:
+            self._offsets[key] = self.space_numel
+            self.space_numel += group.layout.shard_numel
+            self.store.grow(self.space_numel)
+        self.store.write_master(self._offsets[key], init)
+        if self.store.in_memory:  # unfrozen by a checkpoint load: real until its write-back
+            return init.detach().float().clone()
         return placeholder(init.numel(), torch.float32)
+
+    def group_added(self, group: FlatGroup) -> None:
+        if self.optim_state.space_numel != self.space_numel:
+            raise AssertionError(f"optimizer space {self.optim_state.space_numel} != "
+                                 f"{self.space_numel} after adding a group")
+        tiles = self.optim_state.tiles
+        assert tiles is not None, "the optimizer space was planned by tile_planner"
+        self.store.add_leaves(self.optim_state.fragment_index, tiles, self.optim_state.tile_of)
 
     def grad_shard(self, group: FlatGroup) -> torch.Tensor | None:
         return None  # written to the grad file as each unit is reduced

@@ -51,6 +51,11 @@ class NvmeFile:
             raise NvmeIOError(f"NVMe offload file {self.path} cannot be opened: "
                               f"{describe_os_error(exc)} ({what})") from None
 
+    def extend(self, numel: int) -> None:
+        """At least ``numel`` items long; the new end reads as zeros (a sparse hole)."""
+        if os.path.getsize(self.path) < numel * self.itemsize:
+            os.truncate(self.path, numel * self.itemsize)
+
     def write(self, index: int, t: torch.Tensor, what: str) -> None:
         self._transfer(index, t, what, writing=True)
 
@@ -121,6 +126,18 @@ class TileBuffers:
             self.kinds[name] = torch.empty(self.leaves if scalar else self.numel, dtype=dtype,
                                            pin_memory=self.pin)
         return self.kinds[name]
+
+    def zero_missing(self, tile: Tile, kinds: dict[str, tuple[torch.dtype, bool]],
+                     state_of: Callable[[nn.Parameter], dict]) -> None:
+        """A leaf of ``tile`` skipped since before its first step has no state: its slots
+        of each kind are zeros (Adam's fresh state: step 0, zero moments), not what the
+        reused buffer held."""
+        for i, (leaf, a, b) in enumerate(tile.leaves):
+            state = state_of(leaf)
+            for kind, (dtype, scalar) in kinds.items():
+                if kind not in state:
+                    t = self.kind(kind, dtype, scalar)
+                    (t[i] if scalar else t[a:b]).zero_()
 
     @property
     def nbytes(self) -> int:

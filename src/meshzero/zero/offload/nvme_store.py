@@ -80,6 +80,7 @@ class NvmeStore:
         self.space_numel = space_numel
         self.gen = 0
         self.stepped = False
+        self.in_memory = False  # inside materialized(): masters and leaves are real tensors
         self.kinds: dict[str, tuple[torch.dtype, bool]] = {}  # kind -> (dtype, scalar)
         separate = options.param == "nvme" and \
             options.param_nvme_path != options.optimizer_nvme_path
@@ -110,9 +111,34 @@ class NvmeStore:
             tile.subset = subsets_by_group(optimizer, [leaf for leaf, _, _ in tile.leaves])
 
     def write_master(self, offset: int, master: torch.Tensor) -> None:
-        """The initial fp32 master of one group, straight from its construction buffer."""
-        self.file("master", 0).write(offset, master.detach().float().contiguous().cpu(),
-                                     "initial master")
+        """The initial fp32 master of one group (from its construction buffer, or the
+        values of a group frozen at initialize when it is unfrozen)."""
+        self.file("master", self.gen).write(offset, master.detach().float().contiguous().cpu(),
+                                            "initial master")
+
+    def grow(self, space_numel: int) -> None:
+        """The optimizer space grew at its end: every file of it is made longer (zeros)."""
+        self.flush_grads()
+        self.space_numel = space_numel
+        files = [self.file(k, gen) for k in ("master", "params", *self.kinds) for gen in (0, 1)
+                 if not self.kinds.get(k, (None, False))[1]]
+        for f in [*files, self.grad_file]:
+            f.extend(space_numel)
+
+    def add_leaves(self, index: list, planner: TilePlanner, tile_of: list[int]) -> None:
+        """Leaves appended to ``index`` (a group made trainable): tiles planned again, the
+        scalar state files longer, tile buffers sized again at the next step."""
+        self.leaves = [leaf for leaf, _, _ in index]
+        self.tiles = self._tiles(index, planner, tile_of)
+        for leaf, frag, g in index:
+            if id(leaf) not in self._leaf_ph:
+                self._leaf_ph[id(leaf)] = leaf.data
+                if self.in_memory:  # a checkpoint is being loaded: as _read_all leaves it
+                    leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
+        self._pool = []
+        for kind in [k for k, (_, scalar) in self.kinds.items() if scalar]:
+            for gen in (0, 1):
+                self.file(kind, gen).extend(len(self.leaves))
 
     def attach(self, groups: list[FlatGroup], index: list, planner: TilePlanner,
                tile_of: list[int]) -> None:
@@ -373,19 +399,8 @@ class NvmeStore:
                     view.copy_(value)
                 state[kind] = self._state_placeholder(leaf, kind, value)
             leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
-        self._zero_missing_states(optimizer, tile, buf)
+        buf.zero_missing(tile, self.kinds, lambda leaf: optimizer.state.get(leaf, {}))
         buf.params[:n].copy_(buf.master[:n])
-
-    def _zero_missing_states(self, optimizer: torch.optim.Optimizer, tile: Tile,
-                             buf: TileBuffers) -> None:
-        """A leaf skipped since before its first step has no state: its slots are written
-        as zeros (Adam's fresh state: step 0, zero moments), not what the buffer held."""
-        for i, (leaf, a, b) in enumerate(tile.leaves):
-            state = optimizer.state.get(leaf, {})
-            for kind, (dtype, scalar) in self.kinds.items():
-                if kind not in state:
-                    t = buf.kind(kind, dtype, scalar)
-                    (t[i] if scalar else t[a:b]).zero_()
 
     def _state_placeholder(self, leaf: nn.Parameter, kind: str, value: torch.Tensor):
         key = (id(leaf), kind)
@@ -418,12 +433,14 @@ class NvmeStore:
         any rank raises on every rank (collective: every rank enters it)."""
         self.flush_grads()
         try:
+            self.in_memory = True
             self._agreed(self._read_all, optimizer, index, what="nothing was read")
             yield
             if write_back:
                 self._agreed(self._write_back, optimizer, index,
                              what="the values were not all written to the NVMe files")
         finally:
+            self.in_memory = False
             self._release(optimizer, index)
 
     def _agreed(self, fn, *args, what: str) -> None:

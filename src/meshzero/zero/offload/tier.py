@@ -315,6 +315,12 @@ class Tier(ABC):
         # finiteness is wanted (step_scale given: no clipping, no fp16)
         self.want_norms(boundary, torch.float32 if step_scale is not None else torch.float64)
 
+    def group_added(self, group: FlatGroup) -> None:
+        """``group``, frozen at initialize, was made trainable: its leaves were appended to
+        the optimizer space (``optim_state``); attach_optimizer follows. In memory nothing
+        more is needed."""
+        return None
+
     def no_gradient(self, group: FlatGroup) -> None:
         """No gradient reached trainable ``group`` in the window's first reduction (its
         parameters frozen): the reduction is skipped, so its gradient shard must read as
