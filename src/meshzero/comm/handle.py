@@ -31,7 +31,8 @@ class Handle:
         reduction issued in backward and waited on in a checkpoint save fails in the save).
         ``then``: run on the waiting thread once the op has completed (part of the op: its
         exposed time). ``before_wait``: called before blocking on the op (the check posted
-        ahead, CommStats.before_wait)."""
+        ahead, CommStats.before_wait), unless the op has completed already: then the wait
+        cannot block, and the check is settled at a later wait, when more likely done."""
         self._work = work
         self._before_wait = before_wait
         self._where_now = where_now
@@ -50,7 +51,8 @@ class Handle:
     def wait(self) -> None:
         if self._buffers is None:
             return
-        if self._work is not None and self._before_wait is not None:
+        if self._work is not None and self._before_wait is not None \
+                and not self._work.is_completed():  # a completed op cannot block
             self._before_wait()  # may wait on this very op (the check posted ahead)
             if self._buffers is None:
                 return

@@ -20,12 +20,13 @@ a process group of its own: on the data group the check would queue behind the g
 reductions in flight (gloo runs a group's ops in order) and wait for them all.
 
 The cost on the default training path is one exchange per step, posted at the backward's
-entry and waited on at its first wait (its latency hides behind the backward's compute).
+entry and waited on before its first wait that can block (its latency hides behind the
+backward's compute).
 The step posts nothing of its own: its first collective, the non-finite check's sum
 (faults/nonfinite.py), is made on this group as a phase exchange (:meth:`all_reduce`), so a
 rank in ``step()`` meets a rank in another call there. On two busy CPU cores each exchange
-costs gloo thread wakeups, and a round trip waited on at once a few hundred microseconds to
-milliseconds (benchmarks/phase_check.py).
+costs gloo thread wakeups: within noise on steps of tens of milliseconds, about 1.5 ms on
+steps of 6-11 ms (benchmarks/phase_check.py, docs/failures.md).
 """
 
 from __future__ import annotations
