@@ -113,11 +113,11 @@ def summary(ok: list[dict], nocomm: dict, args) -> list[str]:
                        + ", ".join(f"{k} {v:.3f}" for k, v in mz["own_exposed"].items()))
         own, counted = dict(mz.get("own_comm") or {}), mz.get("counted") or {}
         counted = dict(counted)
-        for check in ("order_check", "phase_check"):  # all-gathers to the c10d counter
-            if check in own:  # the unit-order check, the phase check (faults/phase.py)
+        # all-gathers to the c10d counter: the unit-order check, the phase check, and the
+        # step's non-finite check, which rides on the phase exchange (faults/nonfinite.py)
+        for check in ("order_check", "phase_check", "step_check"):
+            if check in own:
                 own["all_gather"] = own.get("all_gather", 0) + own.pop(check)
-        if "step_check" in own:  # the step's non-finite check is an all-reduce
-            own["all_reduce"] = own.get("all_reduce", 0) + own.pop("step_check")
         if "all_to_all" in counted:  # meshzero's reduce-scatter on gloo (comm/communicator.py)
             counted["reduce_scatter"] = counted.get("reduce_scatter", 0) + counted.pop("all_to_all")
         if "send" in counted:  # meshzero's gloo all-gather: sends to each peer (comm/)
