@@ -18,10 +18,12 @@ builds the engine, and reports
 (``memory_report()``: parameter, master and gradient shards), in units; the table gives the
 worst rank. Two starts per construction:
 
-    fresh   the process has built no engine yet: an outside probe's view. The first engine
-            imports torch._dynamo and sympy (``torch.optim.Optimizer.add_param_group`` and any
-            ``TorchDispatchMode`` import them on first use: about 74 MB) and meshzero's
-            modules, pydantic and safetensors (about 23 MB), whatever the model
+    fresh   the process has built no engine yet: an outside probe's view. Like a training
+            script it imports torch, then meshzero, before the measure starts; meshzero then
+            loads its engine and what the first engine would import (torch._dynamo and sympy,
+            which ``torch.optim.Optimizer.add_param_group`` and any ``TorchDispatchMode``
+            import on first use; pydantic, safetensors: about 94 MB whatever the model) at
+            ``import meshzero`` (src/meshzero/__init__.py), not inside the first build
     warm    a tiny engine is built first, the same way: construction alone
 
 Eager construction holds the whole model (+ the ZeRO copy of each unit) before it is
@@ -37,6 +39,8 @@ import os
 import torch
 from _torchrun import print_result, run_ranks
 from torch import nn
+
+import meshzero  # after torch, as a training script does: the engine loads here
 
 
 class Block(nn.Module):
@@ -131,8 +135,6 @@ def _state_bytes(report: dict) -> int:
 
 
 def _build(how: str, factory, config: dict) -> tuple:
-    import meshzero
-
     if how == "eager":
         torch.manual_seed(0)
         return meshzero.initialize(model=factory(), config=config)

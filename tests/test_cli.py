@@ -57,6 +57,19 @@ def test_help_and_version_do_not_import_torch():
     assert "--nproc" in proc.stdout and "--max-shard-size" in proc.stdout
 
 
+def test_import_after_torch_loads_the_engine_and_what_it_imports():
+    """A training script imports torch, then meshzero: the first engine's imports (its
+    modules, torch._dynamo and sympy, which torch.optim pulls on first use) are made there,
+    not inside the first ``initialize``, whose memory peak is then the model's own (issue
+    26; docs/big-models.md). The command line above imports none of it."""
+    code = ("import sys, torch\nimport meshzero\n"
+            "print(*(m in sys.modules for m in ('meshzero.engine', 'torch._dynamo', "
+            "'sympy', 'pydantic')), file=sys.stderr)")
+    proc = run(code=code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "True True True True"
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     # argparse has no public way to list a parser's actions
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
