@@ -17,6 +17,7 @@ from meshzero.estimate import Cluster, Estimator, estimate, load_model, settings
 from meshzero.estimate.states import total_bytes
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
+from tests.models import Block
 
 # (stage, offload_optimizer, bf16)
 CASES = [(0, "none", False), (1, "none", False), (2, "none", False), (3, "none", False),
@@ -29,17 +30,6 @@ def _config(world: int, stage: int, offload: str, bf16: bool, path: str) -> dict
     where = {"nvme_path": path} if offload == "nvme" else {}
     return zero_config(stage, global_batch=2 * world, zero_optimization={
         "offload_optimizer": {"device": offload, **where}}, **extra)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 class PartlyFrozen(nn.Module):

@@ -20,18 +20,7 @@ from torch import nn
 import meshzero
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
-
-
-class GeluBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+from tests.models import Block
 
 
 class TiedOdd(nn.Module):
@@ -40,7 +29,7 @@ class TiedOdd(nn.Module):
     def __init__(self, vocab: int, dim: int, hidden: int, blocks: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(GeluBlock(dim, hidden) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
