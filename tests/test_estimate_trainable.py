@@ -13,11 +13,14 @@ import torch
 from torch import nn
 
 import meshzero
+from meshzero.cli import main
 from meshzero.estimate import Cluster, Estimator, estimate, load_model, settings_from_config
+from meshzero.estimate.plan import plan
 from meshzero.estimate.states import total_bytes
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
 from tests.models import Block
+from tests.test_estimate import tiny_gpt
 
 # (stage, offload_optimizer, bf16)
 CASES = [(0, "none", False), (1, "none", False), (2, "none", False), (3, "none", False),
@@ -114,3 +117,35 @@ def test_report_shows_the_unfrozen_figure_and_the_flag_validates():
     with pytest.raises(ValueError, match=r"trainable must be one of \['initialize', 'all'\], "
                                          r"got 'some'"):
         estimate(PartlyFrozen, stage=3, trainable="some")
+
+
+def frozen_gpt() -> nn.Module:
+    """tests/test_estimate.py's tiny GPT with every block but the last frozen at initialize
+    (a backbone to unfreeze later)."""
+    model = tiny_gpt()
+    for block in list(model.blocks)[:-1]:
+        block.requires_grad_(False)
+    return model
+
+
+def test_plan_sizes_every_candidate_with_the_trainable_flag(capsys):
+    """``meshzero plan --trainable all``: every candidate is estimated with the frozen
+    groups trainable, as ``estimate --trainable all`` sizes them, so a plan for a run that
+    unfreezes its backbone fits after the unfreeze too."""
+    cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory="3MB", host_memory="1GB")
+    as_frozen = plan(frozen_gpt, cluster=cluster, persistence_threshold=0)
+    unfrozen = plan(frozen_gpt, cluster=cluster, persistence_threshold=0, trainable="all")
+
+    def states(p):
+        return {(c.estimate.settings.stage, c.estimate.settings.offload_optimizer,
+                 c.estimate.settings.offload_param, c.estimate.settings.micro_batch):
+                total_bytes(c.estimate.model_states) for c in p.candidates}
+
+    before, after = states(as_frozen), states(unfrozen)
+    assert all(c.estimate.settings.trainable == "all" for c in unfrozen.candidates)
+    both = set(before) & set(after)
+    assert both and all(after[k] > before[k] for k in both if k[0] >= 1), (before, after)
+    assert main(["plan", "tests.test_estimate_trainable:frozen_gpt", "--gpus-per-node", "4",
+                 "--gpu-memory", "3MB", "--host-memory", "1GB", "--trainable", "all",
+                 "--top", "0"]) == 0
+    assert "note: every parameter trainable" in capsys.readouterr().out

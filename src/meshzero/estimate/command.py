@@ -59,11 +59,11 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                             "the config's offload_param.device, else none)")
         g.add_argument("--micro-batch", type=int, default=None,
                        help="samples per GPU per micro-step (default: the config's, else 1)")
-        g.add_argument("--trainable", choices=list(TRAINABLE), default=None,
-                       help="which parameters hold gradients, masters and optimizer states: "
-                            "'initialize' (default) those with requires_grad at initialize; "
-                            "'all' every one, as after unfreezing a backbone frozen at "
-                            "initialize (its flat groups keep their own padding)")
+    g.add_argument("--trainable", choices=list(TRAINABLE), default=None,
+                   help="which parameters hold gradients, masters and optimizer states: "
+                        "'initialize' (default) those with requires_grad at initialize; "
+                        "'all' every one, as after unfreezing a backbone frozen at "
+                        "initialize (its flat groups keep their own padding)")
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="compute dtype; fp32 master weights unless the config sets "
                         "bf16.bf16_master_weights_and_grads (default: the config's bf16/fp16 "

@@ -384,6 +384,14 @@ def plan(
                      search_mesh)
 
 
+def _trainable_note(base: Settings) -> list[str]:
+    if base.trainable != "all":
+        return []
+    return ["every parameter trainable (frozen ones unfrozen after initialize): each "
+            "configuration holds gradients, masters and optimizer states for all of them "
+            "(--trainable all)"]
+
+
 def plan_with(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: Assumptions,
           global_batch: int | None, try_checkpointing: bool, search_mesh: bool = False) -> Plan:
     if base.seq_len is None:
@@ -393,8 +401,11 @@ def plan_with(estimator: Estimator, base: Settings, cluster: Cluster, assumption
         base = base.replace(seq_len=seq)
     options = (False, True) if try_checkpointing else (base.activation_checkpointing,)
     if not search_mesh:
-        return Planner(estimator, base, cluster, assumptions, global_batch).run(options)
+        result = Planner(estimator, base, cluster, assumptions, global_batch).run(options)
+        result.notes.extend(_trainable_note(base))
+        return result
     meshes, notes = mesh_settings(estimator.spec, base, cluster, estimator.pipeline_layout)
+    notes = [*notes, *_trainable_note(base)]
     plans, failures = [], []
     for mesh in meshes:
         try:

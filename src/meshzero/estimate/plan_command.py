@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                               cpu_adam_rate=args.cpu_adam_rate)
     base = settings_from_config(args.config, cluster.world_size, precision=args.precision,
                                 grad_dtype=args.grad_dtype, seq_len=args.seq_len,
-                                **mesh_of(args))
+                                trainable=args.trainable, **mesh_of(args))
     global_batch = args.global_batch
     if global_batch is None and args.config is not None:
         global_batch = load_config(args.config).train_batch_size
