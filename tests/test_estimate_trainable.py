@@ -22,17 +22,19 @@ from tests.engine_runs import zero_config
 from tests.models import Block
 from tests.test_estimate import tiny_gpt
 
-# (stage, offload_optimizer, bf16)
+# (stage, offload_optimizer, bf16); "nvme+param": offload_param nvme too
 CASES = [(0, "none", False), (1, "none", False), (2, "none", False), (3, "none", False),
          (1, "cpu", False), (3, "cpu", True), (2, "none", True), (3, "nvme", False),
-         (1, "nvme", True)]
+         (1, "nvme", True), (3, "nvme+param", False)]
 
 
 def _config(world: int, stage: int, offload: str, bf16: bool, path: str) -> dict:
     extra = {"bf16": {"enabled": True}} if bf16 else {}
-    where = {"nvme_path": path} if offload == "nvme" else {}
-    return zero_config(stage, global_batch=2 * world, zero_optimization={
-        "offload_optimizer": {"device": offload, **where}}, **extra)
+    device = offload.split("+")[0]
+    tier = {"device": device, **({"nvme_path": path} if device == "nvme" else {})}
+    zero = {"offload_optimizer": tier, **({"offload_param": tier} if "+param" in offload
+                                          else {})}
+    return zero_config(stage, global_batch=2 * world, zero_optimization=zero, **extra)
 
 
 class PartlyFrozen(nn.Module):

@@ -129,7 +129,7 @@ class FlatGroup:
         fp32 copy: in 16-bit training the master starts from the 16-bit values)."""
         assert not self.trainable, "make_trainable on a group that is trainable already"
         if init is None:
-            init = self.owned_params().float()
+            init = self.tier.owned_values(self).float()
             if init.device != self.full.device:  # a stage-3 shard offloaded to host memory
                 init = init.to(self.full.device)
         self.trainable = True

@@ -106,8 +106,7 @@ class ZeroModelState:
         self.optimizer: torch.optim.Optimizer | None = None
         # id(parameter) -> the optimizer param group it was given in (frozen ones included)
         self.param_group_of: dict[int, int] = {}
-        self.trainability = Trainability(self.groups, param_tier=self.tier.param_tier,
-                                         make_trainable=self._make_trainable)
+        self.trainability = Trainability(self.groups, make_trainable=self._make_trainable)
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
@@ -191,7 +190,6 @@ class ZeroModelState:
         wanted = set(names)
         for g in self.groups:
             if not g.trainable and any(s.name in wanted for s in g.layout.slots):
-                self.trainability.check_can_promote(g)
                 self._make_trainable(g)
 
     def finish_unit_steps(self) -> bool:

@@ -37,11 +37,10 @@ logger = logging.getLogger(__name__)
 class Trainability:
     """Which parameters the next step skips, and frozen groups made trainable on demand."""
 
-    def __init__(self, groups: list[FlatGroup], *, param_tier: str,
+    def __init__(self, groups: list[FlatGroup], *,
                  make_trainable: Callable[[FlatGroup], None]):
         """``make_trainable(group)``: gives a frozen group its optimizer side (the state)."""
         self.groups = groups
-        self.param_tier = param_tier
         self._make_trainable = make_trainable
         self.window_frozen: frozenset[int] = frozenset()  # frozen in every backward so far
         self.window_open = False
@@ -55,7 +54,6 @@ class Trainability:
         parameters are frozen now. Returns whether this backward opened the window."""
         for g in self.groups:
             if not g.trainable and any(p.requires_grad for p in g.params):
-                self.check_can_promote(g)
                 self._make_trainable(g)
                 unstepped = [p for p in g.params if id(p) in self.outside and p.requires_grad]
                 if unstepped:
@@ -76,18 +74,6 @@ class Trainability:
     def close_window(self) -> None:
         """The gradients were zeroed (a step): the next backward opens a new window."""
         self.window_open = False
-
-    def check_can_promote(self, group: FlatGroup) -> None:
-        """ValueError where the group's master and optimizer state cannot be made later."""
-        if group.sharded and self.param_tier == "nvme":
-            unfrozen = [p for p in group.params if p.requires_grad] or group.params
-            raise ValueError(
-                f"requires_grad was set True after initialize for "
-                f"{_names([group], unfrozen)}, frozen at initialize: with offload_param "
-                "nvme its stage-3 shard is in the file of frozen parameters, which a "
-                "trainable group cannot use. Set requires_grad=True before "
-                "meshzero.initialize (and freeze it until needed: that works at NVMe), or "
-                "use offload_param device cpu or none")
 
 
 def _names(groups: list[FlatGroup], params: list[nn.Parameter]) -> str:

@@ -96,15 +96,25 @@ class NvmeTier(Tier):
             check_nvme_path(f"zero_optimization.{key}.nvme_path", path, nbytes * local)
 
     # -- where things live ---------------------------------------------------------------------
+    def owned_values(self, group: FlatGroup) -> torch.Tensor:
+        """A stage-3 shard with offload_param nvme is in a file: a frozen group's in the file
+        of frozen parameters (read on every rank alike: an I/O error raises on all)."""
+        if not (group.sharded and self.options.param == "nvme") or self.store.in_memory:
+            return super().owned_values(group)
+        return self.store.frozen_values(group)
+
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         """The initial master goes straight to its file; the group keeps a placeholder. A
         group frozen at initialize and unfrozen now is appended to the optimizer space (the
-        files grow: zeros, Adam's fresh state), as ShardedOptimizerState.add_group does."""
+        files grow: zeros, Adam's fresh state), as ShardedOptimizerState.add_group does, and
+        its parameters are written there too: a trainable group's stage-3 shard is read from
+        the parameter file (offload_param nvme), where the step writes its next values."""
         key = (group.layout.unit, group.layout.index)
         if key not in self._offsets:
             self._offsets[key] = self.space_numel
             self.space_numel += group.layout.shard_numel
             self.store.grow(self.space_numel)
+            self.store.write_params(self._offsets[key], init)
         self.store.write_master(self._offsets[key], init)
         if self.store.in_memory:  # unfrozen by a checkpoint load: real until its write-back
             return init.detach().float().clone()

@@ -116,6 +116,24 @@ class NvmeStore:
         self.file("master", self.gen).write(offset, master.detach().float().contiguous().cpu(),
                                             "initial master")
 
+    def write_params(self, offset: int, values: torch.Tensor) -> None:
+        """The compute-dtype parameters of a group made trainable, at its place in the
+        optimizer space (current generation; ``values``: their exact fp32 values)."""
+        self.file("params", self.gen).write(
+            offset, values.detach().to(self.compute_dtype).contiguous().cpu(), "params")
+
+    def frozen_values(self, group: FlatGroup) -> torch.Tensor:
+        """The shard of a group frozen at initialize (offload_param nvme), read from the
+        file of frozen parameters on every rank alike (collective: an I/O error raises on
+        every rank)."""
+        out = torch.empty(group.layout.shard_numel, dtype=self.compute_dtype)
+        self._agreed(self._read_frozen, group, out, what="the frozen shard was not read")
+        return out
+
+    def _read_frozen(self, group: FlatGroup, out: torch.Tensor) -> None:
+        self.frozen_file.read(self.frozen_offset[id(group)], out,
+                              f"parameter shard of {group.layout.slots[0].name}")
+
     def grow(self, space_numel: int) -> None:
         """The optimizer space grew at its end: every file of it is made longer (zeros)."""
         self.flush_grads()

@@ -180,6 +180,11 @@ class Tier(ABC):
         (always, for an offload tier)."""
         return True
 
+    def owned_values(self, group: FlatGroup) -> torch.Tensor:
+        """The compute-dtype values of ``group``'s owned range, wherever they live now (a
+        group frozen at initialize made trainable: its master starts from them)."""
+        return group.owned_params()
+
     @abstractmethod
     def master(self, group: FlatGroup, init: torch.Tensor) -> torch.Tensor:
         """The fp32 master of ``group``'s owned range from ``init`` (its exact fp32 values)."""
