@@ -89,7 +89,7 @@ CASES = [  # (stage, rank 0's call, rank 1's, where, what rank 1 is said to be i
 
 
 def test_a_call_on_some_ranks_only_fails_at_once_on_every_rank(launched):
-    per_rank = [subset for subset, _, _ in launched]
+    per_rank = [subset for subset, *_ in launched]
     for i, (stage, odd, others, _, theirs, _) in enumerate(CASES):
         for kind, message, seconds in (per_rank[0][i], per_rank[1][i]):
             assert kind == "PhaseError", (stage, odd, kind, message)
@@ -148,6 +148,14 @@ def _wait_in_another_phase(rank: int, world: int) -> tuple[str, str]:
     return messages[0], messages[1]
 
 
+def _control_group(rank: int, world: int) -> tuple[str, str]:
+    """The phase check's group backend and the device of its rows (stage 3)."""
+    cfg = zero_config(3, global_batch=2 * world)
+    with meshzero.initialize(model=build_model("mlp", 0), config=cfg)[0] as engine:
+        phases = engine.guard.phases
+        return dist.get_backend(phases.comm.group), phases.device.type
+
+
 def _barrier(store: str, world: int) -> None:
     """The ranks leave a failed collective apart: meet (over a file store) before the next."""
     arrived = dist.FileStore(store, world)
@@ -157,11 +165,12 @@ def _barrier(store: str, world: int) -> None:
 
 
 def _launch(rank: int, world: int, tmp: str) -> tuple:
+    control = _control_group(rank, world)  # first: the failures below break the world group
     subset = [_subset_call(rank, world, *case[:4], f"{tmp}/ck", case[5]) for case in CASES]
     _barrier(f"{tmp}/barrier1", world)
     saved = _stall_in_save(rank, world, f"{tmp}/ck", f"{tmp}/store2")
     _barrier(f"{tmp}/barrier2", world)
-    return subset, saved, _wait_in_another_phase(rank, world)
+    return subset, saved, _wait_in_another_phase(rank, world), control
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +186,11 @@ def test_a_collective_error_names_the_phase_its_rank_waited_in(launched):
     assert ("all_reduce over group dp failed at step 4 (checkpoint save; issued at step 4 "
             "(backward))") in issued, issued
     assert "all_reduce over group of ranks [0, 1] failed at step 4 (forward)" in bare, bare
+
+
+def test_the_check_is_a_gloo_group_on_host_tensors(launched):
+    """Whatever the data backend: with NCCL a check on the device would make the host wait
+    for every kernel queued before it at each stage-3 gather (faults/phase.py). On this CPU
+    machine the data group is gloo too; the GPU check runs it with NCCL."""
+    for *_, control in launched:
+        assert control == ("gloo", "cpu"), control

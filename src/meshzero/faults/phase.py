@@ -17,7 +17,10 @@ on every rank"), instead of waiting for the collective timeout with no line on e
 The group is the ZeRO shard group's ranks (the ranks that run the same collectives in
 lockstep; with tensor or pipeline parallelism, the data-parallel ranks of one piece). It is
 a process group of its own: on the data group the check would queue behind the gathers and
-reductions in flight (gloo runs a group's ops in order) and wait for them all.
+reductions in flight (gloo runs a group's ops in order) and wait for them all. It is a gloo
+group on host tensors whatever the data backend: with NCCL, a check on the device would make
+the host wait for every kernel queued before it (reading the rows back), so the host could no
+longer run ahead of the GPU at each stage-3 gather.
 
 The cost on the default training path is one exchange per step, posted at the backward's
 entry and waited on before its first wait that can block (its latency hides behind the
@@ -134,8 +137,9 @@ class PhaseCheck:
         values.copy_(summed.view(torch.float64).sum(0))
 
     def _row(self, payload: Sequence[int], tail: torch.Tensor | None = None) -> torch.Tensor:
-        """[phase code, step, payload..., tail..., -1 padding] (width,) int64 on the device
-        (``tail``: int64 on the device, copied there: no round trip through the host)."""
+        """[phase code, step, payload..., tail..., -1 padding] (width,) int64 on the check's
+        device, the host (``tail``: int64, copied there from wherever it is: the step's
+        sums, which the step reads on the host anyway)."""
         more = 0 if tail is None else tail.numel()
         assert len(payload) + more <= self.width - 2, "a payload wider than the check allows"
         self.posts += 1
@@ -145,7 +149,7 @@ class PhaseCheck:
         mine = torch.tensor(head + [-1] * (self.width - len(head)), dtype=torch.int64)
         mine = mine.to(self.device)
         if tail is not None:
-            mine[len(head):len(head) + more] = tail
+            mine[len(head):len(head) + more] = tail.to(self.device)
         return mine
 
     def _every(self) -> torch.Tensor:

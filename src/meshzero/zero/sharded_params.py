@@ -53,9 +53,10 @@ class GatherOrderError(RuntimeError):
 
 def order_check_communicator(comm: Communicator,
                              timeout: timedelta | None = None) -> Communicator | None:
-    """A communicator over ``comm``'s ranks on a process group of its own (with ``timeout``,
-    faults.comm_timeout), for the unit-order check (counted as ``order_check`` under
-    ``comm``'s name); None for one rank."""
+    """A communicator over ``comm``'s ranks on a gloo process group of its own (with
+    ``timeout``, faults.comm_timeout) for the phase check and stage 3's unit-order check
+    (counted as ``order_check`` under ``comm``'s name), on host tensors whatever ``comm``'s
+    backend (faults/phase.py); None for one rank."""
     if comm.size == 1 or comm.group is None:
         return None
     # new_group is collective over the world, every rank naming the same ranks in the same
@@ -64,7 +65,7 @@ def order_check_communicator(comm: Communicator,
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in all_gather_objects(mine, dist.group.WORLD):
         if tuple(ranks) not in groups:
-            groups[tuple(ranks)] = dist.new_group(list(ranks), timeout=timeout)
+            groups[tuple(ranks)] = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
     # a few bytes per rank: gloo's own all-gather (the point-to-point one is for data)
     return Communicator(groups[mine], comm.name, comm.stats, inter_node=comm.inter_node,
                         point_to_point=False)

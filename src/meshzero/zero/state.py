@@ -119,7 +119,8 @@ class ZeroModelState:
         options, comm, stage = self.options, self.comm, self.options.stage
         names = [u.path or "<root>" for u in self.layout.units]
         phases = PhaseCheck(
-            order_check_communicator(comm, options.group_timeout), comm.stats, self.device,
+            order_check_communicator(comm, options.group_timeout), comm.stats,
+            torch.device("cpu"),  # a gloo group: the check never waits on the device
             payload=len(self.layout.units) + 1 if stage == 3 else 0, unit_names=names)
         if stage != 3:
             return phases, None
