@@ -133,7 +133,7 @@ def _nvme(rank: int, world: int, path: str, stages: list[int]) -> dict:
                for stage in stages}
     both = {"zero_optimization": {"offload_optimizer": nvme, "offload_param": nvme}}
     params = {3: {name: _train(dataclasses.replace(BY_NAME[name], config=both), rank, world, 3)
-                  for name in ("unfrozen_after_initialize", "progressive_unfreezing")}}
+                  for name in NVME_TOGGLES}}
     resumed = _resume_one(rank, world, f"{path}/ckpt-progressive",
                           dataclasses.replace(BY_NAME["progressive_unfreezing"], config=both),
                           3, 3)
@@ -153,10 +153,11 @@ def test_toggles_with_nvme_offload_stage_1(tmp_path):
 
 
 def test_nvme_params_unfreeze_a_group_frozen_at_initialize(launched):
-    """offload_param nvme keeps a frozen stage-3 group's shard in a file of its own; a
-    group unfrozen after initialize (at the first step, or progressively) trains as plain
-    torch does (before: refused at the first backward after the unfreeze), and across a
-    checkpoint resume in the middle of the progressive schedule."""
+    """offload_param nvme keeps a frozen stage-3 group's shard in a file of its own; every
+    toggle and unfreeze pattern, a group unfrozen after initialize included (at the first
+    step, or progressively), trains as plain torch does (before: refused at the first
+    backward after the unfreeze), and across a checkpoint resume in the middle of the
+    progressive schedule."""
     _check_offloaded([r["nvme"]["params"] for r in launched[0]], [3])
     got = launched[0][0]["nvme"]["resumed"]  # saved after the unfreeze began, resumed
     assert got["steps"] == STEPS
