@@ -48,6 +48,7 @@ from meshzero.zero.offload.nvme_io import (
     TileBuffers,
     TilePlanner,
 )
+from meshzero.zero.offload.nvme_memory import read_all, release_all, write_back_all
 from meshzero.zero.offload.nvme_owner import CLEANUP, make_rank_dirs, remove_dirs
 from meshzero.zero.offload.nvme_shards import ShardReads
 from meshzero.zero.offload.stepping import step_subset, subsets_by_group
@@ -149,9 +150,9 @@ class NvmeStore:
         self.leaves = [leaf for leaf, _, _ in index]
         self.tiles = self._tiles(index, planner, tile_of)
         for leaf, frag, g in index:
-            if id(leaf) not in self._leaf_ph:
-                self._leaf_ph[id(leaf)] = leaf.data
-                if self.in_memory:  # a checkpoint is being loaded: as _read_all leaves it
+            if id(leaf) not in self.leaf_placeholders:
+                self.leaf_placeholders[id(leaf)] = leaf.data
+                if self.in_memory:  # a checkpoint is being loaded: as read_all leaves it
                     leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
         self._pool = []
         for kind in [k for k, (_, scalar) in self.kinds.items() if scalar]:
@@ -164,7 +165,7 @@ class NvmeStore:
         self.tile_numel = planner.tile_numel
         self.leaves = [leaf for leaf, _, _ in index]
         self.tiles = self._tiles(index, planner, tile_of)
-        self._leaf_ph = {id(leaf): leaf.data for leaf in self.leaves}
+        self.leaf_placeholders = {id(leaf): leaf.data for leaf in self.leaves}
         self._write_initial_state()
 
     # -- layout ----------------------------------------------------------------------------
@@ -215,7 +216,7 @@ class NvmeStore:
             self._preallocate(f.path, (len(self.leaves) if scalar else self.space_numel)
                               * f.itemsize)
 
-    def _learn_kind(self, kind: str, value: torch.Tensor) -> bool:
+    def learn_kind(self, kind: str, value: torch.Tensor) -> bool:
         """Record a state kind the optimizer created; True if it is new."""
         if kind in self.kinds:
             return False
@@ -316,7 +317,7 @@ class NvmeStore:
                 optimizer.state.pop(leaf, None)
             else:
                 optimizer.state[leaf] = saved
-            leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
+            leaf.data, leaf.grad = self.leaf_placeholders[id(leaf)], None
 
     def _buffers(self) -> list[TileBuffers]:
         if not self._pool:
@@ -410,17 +411,17 @@ class NvmeStore:
                 if not isinstance(value, torch.Tensor):
                     continue
                 scalar = value.dim() == 0
-                self._learn_kind(kind, value)
+                self.learn_kind(kind, value)
                 t = buf.kind(kind, value.dtype, scalar)
                 view = t[i] if scalar else t[a:b]
                 if view.data_ptr() != value.data_ptr():  # state created by this first step
                     view.copy_(value)
-                state[kind] = self._state_placeholder(leaf, kind, value)
-            leaf.data, leaf.grad = self._leaf_ph[id(leaf)], None
+                state[kind] = self.state_placeholder(leaf, kind, value)
+            leaf.data, leaf.grad = self.leaf_placeholders[id(leaf)], None
         buf.zero_missing(tile, self.kinds, lambda leaf: optimizer.state.get(leaf, {}))
         buf.params[:n].copy_(buf.master[:n])
 
-    def _state_placeholder(self, leaf: nn.Parameter, kind: str, value: torch.Tensor):
+    def state_placeholder(self, leaf: nn.Parameter, kind: str, value: torch.Tensor):
         key = (id(leaf), kind)
         if key not in self._state_ph:
             self._state_ph[key] = placeholder(value.numel(), value.dtype, tuple(value.shape))
@@ -452,14 +453,14 @@ class NvmeStore:
         self.flush_grads()
         try:
             self.in_memory = True
-            self._agreed(self._read_all, optimizer, index, what="nothing was read")
+            self._agreed(read_all, self, optimizer, index, what="nothing was read")
             yield
             if write_back:
-                self._agreed(self._write_back, optimizer, index,
+                self._agreed(write_back_all, self, optimizer, index,
                              what="the values were not all written to the NVMe files")
         finally:
             self.in_memory = False
-            self._release(optimizer, index)
+            release_all(self, optimizer, index)
 
     def _agreed(self, fn, *args, what: str) -> None:
         error = None
@@ -468,59 +469,6 @@ class NvmeStore:
         except NvmeIOError as exc:
             error = exc
         raise_agreed(self.world, self.device, error, what)
-
-    def _read_all(self, optimizer: torch.optim.Optimizer, index: list) -> None:
-        # fresh tensors rather than re-grown storage: a checkpoint writer may hand them to
-        # numpy, which pins their storage size
-        for g in self.groups:
-            if g.trainable:
-                assert g.master is not None  # a trainable group holds its master shard
-                g.master = torch.empty_like(g.master)
-                self.file("master", self.gen).read(g.space_offset, g.master, "master")
-            if g.sharded and self.options.param == "nvme":
-                g.shard = self.shards.read_now(g)
-        for i, (leaf, frag, g) in enumerate(index):
-            leaf.data = g.master[frag.local_offset:frag.local_offset + frag.numel]
-            if self.stepped:
-                state = optimizer.state[leaf]
-                for kind, (dtype, scalar) in self.kinds.items():
-                    t = torch.empty((), dtype=dtype) if scalar else torch.empty_like(leaf.data)
-                    pos = i if scalar else g.space_offset + frag.local_offset
-                    self.file(kind, self.gen).read(pos, t.reshape(-1), kind)
-                    state[kind] = t
-
-    def _write_back(self, optimizer: torch.optim.Optimizer, index: list) -> None:
-        for g in self.groups:
-            if g.trainable:
-                assert g.master is not None  # a trainable group holds its master shard
-                self.file("master", self.gen).write(g.space_offset, g.master, "master")
-                src = g.owned_params()
-                self.file("params", self.gen).write(g.space_offset, src.contiguous().cpu(),
-                                                    "params")
-            elif g.sharded and self.options.param == "nvme":
-                self.frozen_file.write(self.frozen_offset[id(g)], g.shard.cpu(), "frozen params")
-        for i, (leaf, frag, g) in enumerate(index):
-            for kind, value in optimizer.state.get(leaf, {}).items():
-                if isinstance(value, torch.Tensor):
-                    scalar = value.dim() == 0
-                    self._learn_kind(kind, value)
-                    pos = i if scalar else g.space_offset + frag.local_offset
-                    self.file(kind, self.gen).write(pos, value.detach().reshape(-1).cpu(), kind)
-                    self.stepped = True
-
-    def _release(self, optimizer: torch.optim.Optimizer, index: list) -> None:
-        for leaf, _, _ in index:
-            state = optimizer.state.get(leaf, {})
-            for kind, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and kind in self.kinds:
-                    state[kind] = self._state_placeholder(leaf, kind, value)
-            leaf.data = self._leaf_ph[id(leaf)]
-        for g in self.groups:
-            if g.trainable:
-                assert g.master is not None  # a trainable group holds its master shard
-                g.master = placeholder(g.master.numel(), g.master.dtype)
-            if g.sharded and self.options.param == "nvme":
-                g.shard = placeholder(g.shard.numel(), g.shard.dtype)
 
     # -- accounting ----------------------------------------------------------------------------
     @property
