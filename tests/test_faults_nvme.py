@@ -398,6 +398,34 @@ def test_sigterm_to_torchrun_leaves_no_nvme_files(tmp_path):
         _sigterm_torchrun(tmp_path / f"launch{i}", delay_ms / 1000)
 
 
+def _many_files(path, count: int) -> None:
+    path.mkdir()
+    for i in range(count):
+        (path / f"f{i}").write_bytes(b"\0")
+
+
+def test_removal_is_tried_again_when_a_file_appears_meanwhile(tmp_path, monkeypatch):
+    """A writer thread of the store opens its files with O_CREAT: a file rmtree had just
+    unlinked comes back, the last rmdir fails and the directory stays (one launch in about
+    140 of test_sigterm_to_torchrun_leaves_no_nvme_files, killed 0.68 s into training). The
+    directory is removed again until it is gone."""
+    path = tmp_path / "run"
+    _many_files(path, 10)
+    real, calls = nvme_owner.shutil.rmtree, []
+
+    def rmtree_racing_a_writer(target, ignore_errors=False):
+        calls.append(target)
+        real(target, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # as if a write landed between the listing and the rmdir
+            os.mkdir(target)
+            with open(os.path.join(target, "grad"), "wb") as f:
+                f.write(b"\0")
+
+    monkeypatch.setattr(nvme_owner.shutil, "rmtree", rmtree_racing_a_writer)
+    nvme_owner.remove_dirs([str(path)])
+    assert not path.exists() and len(calls) == 2
+
+
 # -- stale directories ---------------------------------------------------------------------------
 def _owner_dir(parent, name: str, **changes) -> str:
     me = nvme_owner.identity()

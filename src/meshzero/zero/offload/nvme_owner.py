@@ -158,9 +158,15 @@ def reclaim_stale(parent: str) -> list[str]:
     return removed
 
 
-def remove_dirs(paths: list[str]) -> None:
+def remove_dirs(paths: list[str], tries: int = 5) -> None:
+    """Remove each directory, again while it is still there: a writer thread of the store
+    opens its files with ``O_CREAT``, so a file just unlinked can come back before the last
+    ``rmdir``."""
     for path in dict.fromkeys(paths):
-        shutil.rmtree(path, ignore_errors=True)
+        for _ in range(tries):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                break
 
 
 # -- signals -----------------------------------------------------------------------------------
@@ -177,6 +183,9 @@ class SignalCleanup:
         self.pid = os.getpid()
         self._next = 0
         self._pipe: tuple[int, int] | None = None  # (read, write) of the wakeup fd
+        # the watcher thread and the handler both remove: the handler, which ends the
+        # process, waits until the watcher's removal (and its tries again) is done
+        self._removing = threading.RLock()
 
     def add(self, paths: list[str]) -> int:
         """Remove ``paths`` on SIGTERM / SIGINT; returns a token for :meth:`discard`."""
@@ -241,8 +250,9 @@ class SignalCleanup:
             and os.getpid() == self.pid and signal.getsignal(signum) == self._handle
 
     def remove_all(self) -> None:
-        for paths in list(self.paths.values()):
-            remove_dirs(paths)
+        with self._removing:  # reentrant: a signal may arrive on a thread removing already
+            for paths in list(self.paths.values()):
+                remove_dirs(paths)
 
     def _uninstall(self) -> None:
         if not self.previous or not self._main_thread():
