@@ -113,11 +113,14 @@ def summary(ok: list[dict], nocomm: dict, args) -> list[str]:
                        + ", ".join(f"{k} {v:.3f}" for k, v in mz["own_exposed"].items()))
         own, counted = dict(mz.get("own_comm") or {}), mz.get("counted") or {}
         counted = dict(counted)
-        # all-gathers to the c10d counter: the unit-order check, the phase check, and the
-        # step's non-finite check, which rides on the phase exchange (faults/nonfinite.py)
+        # to the c10d counter: the unit-order check and the phase check are all-gathers; the
+        # step's non-finite check is an all-reduce, or, where the phase check posts ahead
+        # (not gloo: faults/phase.py), it rides on the phase exchange, an all-gather
+        posts = "phase_check" in own
         for check in ("order_check", "phase_check", "step_check"):
             if check in own:
-                own["all_gather"] = own.get("all_gather", 0) + own.pop(check)
+                kind = "all_reduce" if check == "step_check" and not posts else "all_gather"
+                own[kind] = own.get(kind, 0) + own.pop(check)
         if "all_to_all" in counted:  # meshzero's reduce-scatter on gloo (comm/communicator.py)
             counted["reduce_scatter"] = counted.get("reduce_scatter", 0) + counted.pop("all_to_all")
         if "send" in counted:  # meshzero's gloo all-gather: sends to each peer (comm/)

@@ -1,23 +1,30 @@
-"""The cost of the phase check (faults/phase.py) on the default training path.
+"""The cost of the phase check (faults/phase.py, faults/stall.py) on the default training
+path.
 
-    python benchmarks/phase_check.py --stage 2 --steps 200 [--width 2048] [--aa]
+    python benchmarks/phase_check.py --stage 2 --steps 300 [--width 256] [--aa]
 
 Two ranks on gloo train an MLP (4 x Linear(width, width) + GELU, 8 samples per rank); the
-steps alternate between the phase check on and off, each started after a barrier, so both
-see the same machine load. Off: no post at the backward's entry, and the step's non-finite
-check sums over the data group by its own all-reduce, as before the check existed; stage
-3's unit-order check runs in both. Prints rank 0's median step time of each, their ratio,
-and the check's ops per step (phase_check: the check's own posts; step_check: the
-non-finite check's sum, on: a phase exchange over the check's group carrying the step's
-phase, off: an all-reduce over the data group; order_check: stage 3's unit-order check,
-none at width 256, whose layers stay resident under the persistence threshold). ``--aa``:
-off in both halves, the ratio's own noise on this machine.
+steps cycle through three arms, each step started after a barrier, so all see the same
+machine load:
+
+- ``watch``: as the engine runs by default on gloo: every wait on a collective is made in
+  slices (the stall watch) and nothing is posted ahead;
+- ``posts``: the check as on another backend (NCCL): the backward posts its phase ahead on
+  the check's group and the step's non-finite sum is a phase exchange there;
+- ``none``: no check at all (waits in one piece, no posts, the sum by the data group's
+  all-reduce).
+
+Prints rank 0's median step time of each arm, ``watch`` and ``posts`` over ``none``, and
+the check's ops per step (phase_check: posts; step_check: the non-finite check's sum;
+order_check: stage 3's unit-order check, none at width 256, whose layers stay resident
+under the persistence threshold). ``--aa``: ``none`` in every arm, the ratios' own noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -37,6 +44,9 @@ def _control_ops(engine) -> Counter:
                     for op in ("phase_check", "step_check", "order_check")})
 
 
+ARMS = ("watch", "posts", "none")
+
+
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -45,37 +55,44 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> N
     import meshzero
     from meshzero.faults.phase import PhaseCheck
 
-    on = [True]
+    arm = ["watch"]
     enter = PhaseCheck.enter
 
-    def enter_when_on(self, phase: str, post: bool = True) -> None:
-        enter(self, phase, post and on[0])
+    def enter_unless_none(self, phase: str, post: bool = True) -> None:
+        enter(self, phase, post and arm[0] != "none")
 
-    PhaseCheck.enter = enter_when_on  # type: ignore[method-assign]
+    PhaseCheck.enter = enter_unless_none  # type: ignore[method-assign]
     torch.manual_seed(0)
     width = args.width
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
                             for _ in range(4)])
     cfg = {"train_batch_size": 8 * world, "zero_optimization": {"stage": args.stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "steps_per_print": 10 ** 9}  # no log line on some steps only
     engine, *_ = meshzero.initialize(model=model, config=cfg)
     phases = engine.guard.phases
+    watch = phases.watch
+    assert watch is not None, "gloo: the engine watches its waits"
     x = torch.randn(8, width)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    ops: Counter = Counter()  # (on, op) -> count of the check's ops
+    times: dict[str, list[float]] = {a: [] for a in ARMS}
+    ops: Counter = Counter()  # (arm, op) -> count of the check's ops
     for i in range(args.steps):
-        on[0] = i % 2 == 0 and not args.aa
-        engine.guard.phases = phases if on[0] else None  # off: the sum by all-reduce
+        name = ARMS[i % len(ARMS)]
+        arm[0] = "none" if args.aa else name
+        # watch: slices and no posts; posts: no watch, so posts ahead; none: neither
+        phases.watch = phases.stats.watch = watch if arm[0] == "watch" else None
+        engine.guard.phases = None if arm[0] == "none" else phases
         dist.barrier()
         t0 = time.perf_counter()
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-        times[i % 2 == 0].append(time.perf_counter() - t0)
-        ops.update({(i % 2 == 0, op): n for op, n in _control_ops(engine).items()})
+        times[name].append(time.perf_counter() - t0)
+        ops.update({(name, op): n for op, n in _control_ops(engine).items()})
     if rank == 0:
         out.put(({k: statistics.median(v[5:]) for k, v in times.items()},
-                 {f"{'on' if k[0] else 'off'}: {k[1]}": n / len(times[k[0]])
-                  for k, n in sorted(ops.items(), reverse=True) if n}))
+                 {f"{k[0]}: {k[1]}": n / len(times[k[0]]) for k, n in sorted(ops.items())
+                  if n}))
+    phases.watch = phases.stats.watch = watch
     engine.close()
     dist.destroy_process_group()
 
@@ -83,10 +100,10 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--aa", action="store_true",
-                        help="the check off in both halves: the ratio's noise on this machine")
+                        help="no check in every arm: the ratios' noise on this machine")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -95,12 +112,19 @@ def main() -> None:
                  for r in range(2)]
         for p in procs:
             p.start()
-        res, exchanges = out.get(timeout=1200)
+        res, exchanges = None, {}
+        while res is None:  # a rank that died says so (its traceback above), not a hang
+            try:
+                res, exchanges = out.get(timeout=5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise SystemExit("a rank failed")
         for p in procs:
             p.join()
-    first = "off (A/A: even steps)" if args.aa else "with the phase check"
-    print(f"stage {args.stage}, W=2, width {args.width}: median step {res[True] * 1e3:.3f} ms "
-          f"{first}, {res[False] * 1e3:.3f} ms without, ratio {res[True] / res[False]:.3f}")
+    base = res["none"]
+    print(f"stage {args.stage}, W=2, width {args.width}{' (A/A: none in every arm)' if args.aa else ''}:"
+          f" median step " + ", ".join(f"{a} {res[a] * 1e3:.3f} ms" for a in ARMS)
+          + f"; watch/none {res['watch'] / base:.3f}, posts/none {res['posts'] / base:.3f}")
     print("ops per step: " + ", ".join(f"{k} {v:g}" for k, v in exchanges.items()))
 
 

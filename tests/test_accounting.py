@@ -141,15 +141,9 @@ def test_comm_bytes_equal_theory(tmp_path, stage, world_size):
             # forward hook gathers every unit (prefetch), [phase, step, count, units,
             # padding] in int64 (faults/phase.py)
             want["order_check"] = (1, _ring(8 * (units + 3) * world_size, world_size))
-    # the phase check's rows: [phase, step, payload] in int64, the payload wide enough for
-    # stage 3's unit order [count, units...] and a sum's [0, two float64] (faults/phase.py)
-    width = 2 + max(units + 1 if stage == 3 else 0, 3)
-    if world_size > 1:  # the phase check before the backward's reduction
-        want["phase_check"] = (1, _ring(8 * width * world_size, world_size))
-    if stage >= 1:  # the non-finite check: two float64 summed once per step, by the phase
-        # check's exchange (it carries the step's phase) or, at one rank, an all-reduce
-        want["step_check"] = (1, _ring(8 * width * world_size, world_size)
-                              if world_size > 1 else 0)
+    # no phase check on the training path: gloo's waits are watched instead (faults/stall.py)
+    if stage >= 1:  # the non-finite check: two float64 summed once per step
+        want["step_check"] = (1, 2 * _ring(16, world_size))
     for r in results:
         got = {op: (v["count"], v["bytes"]) for op, v in r.comm.items()}
         assert got == want

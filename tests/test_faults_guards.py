@@ -253,6 +253,7 @@ def test_stalled_rank_ends_within_the_timeout_naming_the_collective(tmp_path):
     cfg = zero_config(2, global_batch=4, faults={"comm_timeout": 2})
     (msg0, waited0), (msg1, _) = run_distributed(_stall, 2, tmp_path, cfg, timeout=60)
     assert 1.5 < waited0 < 4.0, waited0
-    # the backward's first collective: the phase check before its reductions
-    assert "phase_check over group dp failed at step 1 (backward)" in msg0, msg0
+    # the backward's first wait: its reduction (the stall watch reports the wait, but the
+    # sleeping rank waits in no collective, so it finds no deadlock: faults/stall.py)
+    assert "reduce_scatter over group dp failed at step 1 (backward)" in msg0, msg0
     assert "collective" in msg1 and "group dp" in msg1, msg1  # the peer's side fails too

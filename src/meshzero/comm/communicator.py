@@ -36,6 +36,8 @@ class Communicator:
         self.point_to_point = point_to_point
         self.closed = False  # CommStats.drop_groups: the engine was closed
         self._global_ranks: list[int] | None = None  # the group's ranks, for send/recv
+        # the stall watch's name of the group (faults/stall.py): the same on every rank
+        self._key = "" if group is None else group.group_name
         stats.group_holders.append(self)
 
     def drop_groups(self) -> None:
@@ -58,10 +60,25 @@ class Communicator:
             work = fn(self.group)
         handle = Handle(work, stats, issued, self.stats.pending, *buffers, describe=describe,
                         then=then, where_now=self.stats.where,
-                        before_wait=self.stats.before_wait)
+                        before_wait=self.stats.before_wait, watch=self._count_issued())
         if not self.async_ops:
             handle.wait()
         return handle
+
+    def _count_issued(self) -> tuple | None:
+        """Count an op issued over the group (the stall watch compares the ranks' counts);
+        the Handle's ``watch`` where a wait on it may be made in slices: gloo."""
+        stats, key = self.stats, self._key
+        n = stats.issued[key] = stats.issued.get(key, 0) + 1
+        if key not in stats.members:
+            stats.members[key] = self._ranks()
+        return (stats.watch, key, n) if self.gloo and stats.watch is not None else None
+
+    def _ranks(self) -> list[int]:
+        """The group's global ranks."""
+        if self._global_ranks is None:
+            self._global_ranks = dist.get_process_group_ranks(self.group)
+        return self._global_ranks
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor,
                    op: str = "all_gather") -> Handle:
@@ -91,10 +108,8 @@ class Communicator:
         ``output`` (each pair sends one message each way, so posting order cannot pair
         them wrongly)."""
         n, shard = shard.numel(), shard.contiguous()  # gloo sends contiguous memory
-        if self._global_ranks is None:
-            self._global_ranks = dist.get_process_group_ranks(group)
         works = start_exchange([(peer, shard, output[r * n:(r + 1) * n])
-                                for r, peer in enumerate(self._global_ranks)
+                                for r, peer in enumerate(self._ranks())
                                 if r != self.rank], group)
         mine = output[self.rank * n:(self.rank + 1) * n]
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1-2): already there

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshzero.comm.stats import OpStats, failure_named, waited_where
+from meshzero.comm.stats import CollectiveError, OpStats, failure_named, waited_where
 
 
 class Handle:
@@ -25,15 +26,19 @@ class Handle:
                  describe: tuple[str, str, str] | None = None,
                  then: Callable[[], object] | None = None,
                  where_now: Callable[[], str] | None = None,
-                 before_wait: Callable[[], None] | None = None):
+                 before_wait: Callable[[], None] | None = None,
+                 watch: tuple | None = None):
         """``describe``: (op, group, where it was issued) for the error if the wait fails;
         ``where_now``: where training is as the rank waits, named first in that error (a
         reduction issued in backward and waited on in a checkpoint save fails in the save).
         ``then``: run on the waiting thread once the op has completed (part of the op: its
         exposed time). ``before_wait``: called before blocking on the op (the check posted
         ahead, CommStats.before_wait), unless the op has completed already: then the wait
-        cannot block, and the check is settled at a later wait, when more likely done."""
+        cannot block, and the check is settled at a later wait, when more likely done.
+        ``watch``: (the stall watch, the op's group, its number there): the wait is made in
+        slices and a stall reported between them (faults/stall.py)."""
         self._work = work
+        self._watch = watch
         self._before_wait = before_wait
         self._where_now = where_now
         self._then = then
@@ -79,13 +84,42 @@ class Handle:
             self._pending = None
 
     def _wait_named(self) -> None:
-        assert self._work is not None
-        if self._describe is None:
-            self._work.wait()
+        watch = None if isinstance(self._work, WorkList) else self._watch
+        if watch is None:
+            self._wait_for(None)
             return
+        stall, group, n = watch
+        waited, seconds = 0.0, stall.next_wait(0.0)
         try:
-            self._work.wait()
+            while not self._wait_for(seconds):
+                waited += seconds
+                stall.stalled(group, n)  # raises where the ranks wait on each other
+                seconds = stall.next_wait(waited)
+        except CollectiveError:
+            stall.failed()  # a rank that found a deadlock left (and closed its groups)?
+            raise
+        finally:
+            if waited:  # ended, failed or raised: the report goes
+                stall.resumed()
+
+    def _wait_for(self, seconds: float | None) -> bool:
+        """Wait for the op, at most ``seconds`` (None: until it ends); False if it is still
+        in flight then (gloo's timed wait leaves it so). A failed op raises, named."""
+        work = self._work
+        assert work is not None
+        try:
+            if seconds is not None:
+                try:
+                    work.wait(timedelta(seconds=seconds))
+                    return True
+                except RuntimeError:
+                    if not work.is_completed():
+                        return False
+            work.wait()  # (ended as the timed wait gave up: its own outcome)
+            return True
         except RuntimeError:
+            if self._describe is None:
+                raise
             self._forget()  # a failed op is done; then say which one it was
             op, group, issued = self._describe
             now = issued if self._where_now is None else self._where_now()

@@ -133,6 +133,11 @@ class CommStats:
     group_holders: list[Any] = field(default_factory=list, repr=False)
     # a check posted ahead and not waited on (faults/phase.py): run before any op's wait
     gate: Callable[[], None] | None = field(default=None, repr=False)
+    # ops issued per process group (its name) and each group's global ranks, and the stall
+    # watch that reads them when a gloo wait stalls (faults/stall.py; None: no watch)
+    issued: dict[str, int] = field(default_factory=dict, repr=False)
+    members: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    watch: Any = field(default=None, repr=False)
 
     def before_wait(self) -> None:
         """Before a rank blocks on a collective: settle the check posted ahead (``gate``),

@@ -88,7 +88,7 @@ class StepGuard:
         as the check's own op (``step_check``) whatever rides on it, the exchange's rows
         being the phase check's, not a gradient all-reduce's."""
         phases = self.phases
-        if phases is None or phases.comm is None:
+        if phases is None or not phases.posts_ahead:  # one rank, or watched waits
             return None
         return lambda values, _: phases.all_reduce(values, CHECK_OP)
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from meshzero.comm import CommStats, Communicator, Handle
+from meshzero.faults.stall import StallWatch, default_store
 
 TRAINING = ("forward", "backward", "step")
 # an engine call between steps -> the phase its collectives are counted and named in
@@ -67,7 +68,7 @@ class PhaseCheck:
     ``unit_names``: stage 3's units, to name a gather in the error."""
 
     def __init__(self, comm: Communicator | None, stats: CommStats, device: torch.device,
-                 payload: int = 0, unit_names: Sequence[str] = ()):
+                 payload: int = 0, unit_names: Sequence[str] = (), watch: bool = False):
         self.comm = comm
         self.stats = stats
         self.device = device
@@ -78,6 +79,25 @@ class PhaseCheck:
             else dist.get_process_group_ranks(comm.group)
         self.posts = 0  # rows exchanged (the cost: one small all-gather each)
         self._ahead: tuple[Handle, torch.Tensor] | None = None  # posted, not yet waited on
+        # ``watch`` (the data collectives are gloo's: their waits can be made in slices):
+        # stalled waits are reported and compared instead of posts ahead (faults/stall.py)
+        self.watch = self._watch() if watch else None
+
+    def _watch(self) -> StallWatch | None:
+        store = default_store()
+        if self.comm is None or self.comm.group is None or store is None:
+            return None
+        watch = StallWatch(
+            store, f"meshzero/stall/{self.comm.group.group_name}", dist.get_rank(),
+            self.ranks, self._head, self.stats.issued, self.stats.members,
+            lambda rows: PhaseError(self._mismatch(rows)))
+        self.stats.watch = watch
+        return watch
+
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether training's collectives need a post ahead of them (a group, no watch)."""
+        return self.comm is not None and self.watch is None
 
     def enter(self, phase: str, post: bool = True) -> None:
         """A training phase starts (``backward``, ``step``): collectives are named in it from
@@ -86,7 +106,8 @@ class PhaseCheck:
         step whose first collective is the non-finite check's sum needs no post: that sum
         is a phase exchange (:meth:`all_reduce`)."""
         self.stats.phase = phase
-        if post and self.comm is not None:
+        if post and self.posts_ahead:
+            assert self.comm is not None  # (posts_ahead)
             self.settle()
             every = self._every()
             self._ahead = (self.comm.all_gather(every, self._row(()), op="phase_check"), every)
@@ -143,14 +164,18 @@ class PhaseCheck:
         more = 0 if tail is None else tail.numel()
         assert len(payload) + more <= self.width - 2, "a payload wider than the check allows"
         self.posts += 1
-        phase = self.stats.phase
-        head = [PHASES.index(phase) if phase in PHASES else len(PHASES),
-                -1 if self.stats.step is None else self.stats.step, *payload]
+        head = self._head() + list(payload)
         mine = torch.tensor(head + [-1] * (self.width - len(head)), dtype=torch.int64)
         mine = mine.to(self.device)
         if tail is not None:
             mine[len(head):len(head) + more] = tail.to(self.device)
         return mine
+
+    def _head(self) -> list[int]:
+        """[the current phase's code, step]."""
+        phase = self.stats.phase
+        return [PHASES.index(phase) if phase in PHASES else len(PHASES),
+                -1 if self.stats.step is None else self.stats.step]
 
     def _every(self) -> torch.Tensor:
         assert self.comm is not None  # called only with a group
@@ -160,7 +185,7 @@ class PhaseCheck:
         """Every rank's payload row, after PhaseError if the ranks' phases differ."""
         rows = every.view(-1, self.width).tolist()
         if any(row[0] != rows[0][0] for row in rows):
-            raise PhaseError(self._mismatch(rows))
+            raise PhaseError(self._mismatch(dict(zip(self.ranks, rows))))
         return [row[2:] for row in rows]
 
     def close(self) -> None:
@@ -169,6 +194,9 @@ class PhaseCheck:
         self._ahead = None
         if self.stats.gate == self.settle:
             self.stats.gate = None
+        if self.watch is not None:
+            self.watch.close()
+            self.stats.watch = self.watch = None
         if self.comm is not None and self.comm.group is not None:
             # the user's destroy_process_group() (no argument) before the engine's end has
             # destroyed this group with every other: nothing left to destroy
@@ -176,16 +204,20 @@ class PhaseCheck:
                 dist.destroy_process_group(self.comm.group)
             self.comm = None
 
-    def _mismatch(self, rows: list[list[int]]) -> str:
-        """The same sentence on every rank: the side of the group's first rank and the first
-        that differs; an engine call made on some ranks only is named as the call."""
-        sides: dict[int, list[int]] = {}
-        for r, row in enumerate(rows):
-            sides.setdefault(row[0], []).append(r)
-        (a, ra), (b, rb) = list(sides.items())[:2]
+    def _mismatch(self, rows: dict[int, list[int]]) -> str:
+        """The same sentence on every rank (``rows``: global rank -> its row, in rank
+        order): the side of the first rank and the first that differs (in phase, else in
+        step: ranks of a deadlock the stall watch found); an engine call made on some ranks
+        only is named as the call."""
+        sides: dict[tuple[int, int], list[int]] = {}
+        for r, row in rows.items():
+            sides.setdefault((row[0], row[1]), []).append(r)
+        if len(sides) == 1:  # waiting on each other in the same phase: rank order differs
+            sides = {(row[0], -2 - r): [r] for r, row in rows.items()}
+        ((a, _), ra), ((b, _), rb) = list(sides.items())[:2]
         if self._is_call(b) and not self._is_call(a):
             (a, ra), (b, rb) = (b, rb), (a, ra)
-        first, other = _ranks([self.ranks[r] for r in ra]), _ranks([self.ranks[r] for r in rb])
+        first, other = _ranks(ra), _ranks(rb)
         verb = "is" if len(rb) == 1 else "are"
         if self._is_call(a) and self._is_call(b):
             return (f"{self._call(a)} was called on {first} while {other} called "

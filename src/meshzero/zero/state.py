@@ -121,7 +121,8 @@ class ZeroModelState:
         phases = PhaseCheck(
             order_check_communicator(comm, options.group_timeout), comm.stats,
             torch.device("cpu"),  # a gloo group: the check never waits on the device
-            payload=len(self.layout.units) + 1 if stage == 3 else 0, unit_names=names)
+            payload=len(self.layout.units) + 1 if stage == 3 else 0, unit_names=names,
+            watch=comm.gloo)  # gloo's waits can be watched: no posts ahead (faults/stall.py)
         if stage != 3:
             return phases, None
         return phases, ParameterSharder(
@@ -245,7 +246,8 @@ class ZeroModelState:
 
     def reduce_held_gradients(self) -> None:
         """Reduce what accumulated in ``param.grad`` under :meth:`gradients_held`."""
-        self.phases.post()  # every rank reduces now (faults/phase.py)
+        if self.phases.posts_ahead:  # every rank reduces now (faults/phase.py)
+            self.phases.post()
         self._track_requires_grad()
         self.reducer.reduce_param_grads()
 
