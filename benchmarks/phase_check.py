@@ -118,12 +118,13 @@ def main() -> None:
                 res, exchanges = out.get(timeout=5)
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a rank failed")
+                    raise SystemExit("a rank failed") from None
         for p in procs:
             p.join()
     base = res["none"]
-    print(f"stage {args.stage}, W=2, width {args.width}{' (A/A: none in every arm)' if args.aa else ''}:"
-          f" median step " + ", ".join(f"{a} {res[a] * 1e3:.3f} ms" for a in ARMS)
+    aa = " (A/A: none in every arm)" if args.aa else ""
+    print(f"stage {args.stage}, W=2, width {args.width}{aa}: median step "
+          + ", ".join(f"{a} {res[a] * 1e3:.3f} ms" for a in ARMS)
           + f"; watch/none {res['watch'] / base:.3f}, posts/none {res['posts'] / base:.3f}")
     print("ops per step: " + ", ".join(f"{k} {v:g}" for k, v in exchanges.items()))
 

@@ -123,7 +123,8 @@ def _four(rank: int, world: int, save_dir: str) -> list:
 def test_four_ranks_all_name_the_call(tmp_path):
     per_rank = run_distributed(_four, 4, tmp_path, str(tmp_path / "ck"), timeout=150)
     for results in per_rank:
-        for (message, seconds), theirs in zip(results, ("backward (step 1)", "step() (step 1)")):
+        waiting = ("backward (step 1)", "step() (step 1)")
+        for (message, seconds), theirs in zip(results, waiting, strict=True):
             # the other side: the ranks that had reported when the cycle was found
             assert message.startswith("save_checkpoint was called on rank 0 while rank"), \
                 message
@@ -139,7 +140,7 @@ def _posted(rank: int, world: int, save_dir: str) -> list:
 def test_posts_ahead_name_the_same_calls(tmp_path):
     per_rank = run_distributed(_posted, 2, tmp_path, str(tmp_path / "ck"), timeout=150)
     for results in per_rank:
-        for (kind, message, seconds), (_, odd, _, _, theirs, _) in zip(results, CASES):
+        for (kind, message, seconds), (_, odd, _, _, theirs, _) in zip(results, CASES, strict=True):
             assert kind == "PhaseError", message
             assert message.startswith(f"{odd} was called on rank 0 while {theirs}"), message
             assert seconds < 1.0, (odd, seconds)  # at the post: no wait for a stall

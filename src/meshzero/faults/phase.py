@@ -1,18 +1,18 @@
 """The phase check: every rank makes the same collective engine calls in the same order.
 
-Before each collective entry point of the engine (a stage-3 gather, a backward that reduces
-gradients, the step's checks, a checkpoint save or load, ``full_state_dict``, the 16-bit
-save, a weights load) every rank posts where it is on a small control group of its own, one
-row per rank::
+Before each engine call between steps (a checkpoint save or load, ``full_state_dict``, the
+16-bit save, a weights load) and each stage-3 gather, every rank posts where it is on a small
+control group of its own, one row per rank::
 
     [phase code, step, payload...]      int64, the same width on every rank
 
 (the payload: stage 3's unit-order check, ``zero/sharded_params.py``: [count, units..., -1
 padding]; a sum's values, :meth:`PhaseCheck.all_reduce`: [0, float64 bits...]). A call made
-on some ranks only, ``if rank == 0: engine.save_checkpoint(...)``,
-then fails at once on every rank of the group, naming both sides ("save_checkpoint was
-called on rank 0 while rank 1 is in forward (step 3, gathering unit 2 ('blocks.2')); call it
-on every rank"), instead of waiting for the collective timeout with no line on either rank.
+on some ranks only, ``if rank == 0: engine.save_checkpoint(...)``, then fails on every rank
+of the group, naming both sides ("save_checkpoint was called on rank 0 while rank 1 is in
+forward (step 3, gathering unit 2 ('blocks.2')); call it on every rank"), instead of waiting
+for the collective timeout with no line on either rank: at once where the other side posts
+too, within seconds where it waits in a collective that posts nothing (below).
 
 The group is the ZeRO shard group's ranks (the ranks that run the same collectives in
 lockstep; with tensor or pipeline parallelism, the data-parallel ranks of one piece). It is
@@ -22,14 +22,16 @@ group on host tensors whatever the data backend: with NCCL, a check on the devic
 the host wait for every kernel queued before it (reading the rows back), so the host could no
 longer run ahead of the GPU at each stage-3 gather.
 
-The cost on the default training path is one exchange per step, posted at the backward's
+On gloo, training posts nothing: a call made on some ranks while the others train is found
+by the stall watch (faults/stall.py), from the waits that block, at no cost to a step. Only
+where a wait does not block the host (NCCL), or there is no store to report in, does the
+engine post ahead (:attr:`posts_ahead`): one exchange per step, posted at the backward's
 entry and waited on before its first wait that can block (its latency hides behind the
-backward's compute).
-The step posts nothing of its own: its first collective, the non-finite check's sum
-(faults/nonfinite.py), is made on this group as a phase exchange (:meth:`all_reduce`), so a
-rank in ``step()`` meets a rank in another call there. On two busy CPU cores each exchange
-costs gloo thread wakeups: within noise on steps of tens of milliseconds, about 1.5 ms on
-steps of 6-11 ms (benchmarks/phase_check.py, docs/failures.md).
+backward's compute); the step posts nothing of its own: its first collective, the
+non-finite check's sum (faults/nonfinite.py), is made on this group as a phase exchange
+(:meth:`all_reduce`), so a rank in ``step()`` meets a rank in another call there. On two busy
+CPU cores that costs about 1.5 ms on steps of 6-11 ms (benchmarks/phase_check.py,
+docs/failures.md).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ class PhaseCheck:
         """Every rank's payload row, after PhaseError if the ranks' phases differ."""
         rows = every.view(-1, self.width).tolist()
         if any(row[0] != rows[0][0] for row in rows):
-            raise PhaseError(self._mismatch(dict(zip(self.ranks, rows))))
+            raise PhaseError(self._mismatch(dict(zip(self.ranks, rows, strict=True))))
         return [row[2:] for row in rows]
 
     def close(self) -> None:

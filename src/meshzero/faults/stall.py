@@ -32,6 +32,7 @@ instead (faults/phase.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -178,10 +179,8 @@ class StallWatch:
 
     def close(self) -> None:
         if self.on:
-            try:
+            with contextlib.suppress(RuntimeError, ValueError):
                 self.store.delete_key(self._key(self.rank))
-            except (RuntimeError, ValueError):
-                pass
         self.on = False
 
     def _key(self, rank: int | str) -> str:
@@ -191,8 +190,8 @@ class StallWatch:
         """The current reports of the watched ranks (a rank not waiting has none)."""
         keys = [self._key(r) for r in self.ranks]
         if self.store.check(keys):
-            values = dict(zip(self.ranks, self.store.multi_get(keys)))
+            values = dict(zip(self.ranks, self.store.multi_get(keys), strict=True))
         else:  # a rank that never stalled has no key (get would block on it)
-            values = {r: self.store.get(k) for r, k in zip(self.ranks, keys)
+            values = {r: self.store.get(k) for r, k in zip(self.ranks, keys, strict=True)
                       if self.store.check([k])}
         return {r: json.loads(v) for r, v in values.items() if v}
