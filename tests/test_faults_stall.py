@@ -20,7 +20,7 @@ import time
 import meshzero
 import meshzero.faults.phase as phase
 from meshzero.faults.phase import PhaseError
-from meshzero.faults.stall import deadlocked
+from meshzero.faults.stall import StallWatch, deadlocked
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
 from tests.models import build_model, loss_fn_for
@@ -63,6 +63,17 @@ def test_a_rank_waiting_into_a_cycle_of_others_finds_it():
 def _train_step(engine) -> None:
     engine.backward(loss_fn_for(engine.module)(engine(X), Y))
     engine.step()
+
+
+def test_slices_grow_with_the_wait_and_with_the_ranks_to_read():
+    def watch(n: int) -> StallWatch:
+        return StallWatch(None, "p", 0, range(n), list, {}, {}, RuntimeError)  # type: ignore[arg-type]
+
+    small, large = watch(2), watch(256)
+    assert small.next_wait(0.0) == large.next_wait(0.0) == 1.0  # a stall is seen after 1 s
+    assert small.next_wait(1.0) == 0.5  # then looked at again soon: a deadlock in ~1.5 s
+    assert small.next_wait(1000.0) == 8.0 and large.next_wait(1000.0) == 32.0
+    assert watch(10_000).next_wait(1000.0) == 60.0
 
 
 # -- launches ----------------------------------------------------------------------------------

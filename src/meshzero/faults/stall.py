@@ -43,7 +43,9 @@ logger = logging.getLogger("meshzero")
 
 FIRST_SECONDS = 1.0  # a wait this long is reported; the ones after it, every LATER_SECONDS
 LATER_SECONDS = 0.5
-MOST_SECONDS = 8.0  # the slices grow with the wait (a rank waiting for a slow peer reads less)
+# the slices grow with the wait, to 8 s (a rank waiting for a slow peer reads less), more
+# with more ranks to read: every stalled rank reads every report of its group each slice
+MOST_SECONDS, MOST_SECONDS_AT_SCALE, RANKS_PER_READ = 8.0, 60.0, 64
 
 Report = dict  # {"row": [...], "at": [group, n], "in": [ranks], "issued": {group: n}}
 
@@ -106,8 +108,9 @@ class StallWatch:
 
     def next_wait(self, waited: float) -> float:
         """Seconds of the next slice of a wait that has lasted ``waited`` so far."""
-        return FIRST_SECONDS if waited == 0 else min(MOST_SECONDS, max(LATER_SECONDS,
-                                                                       waited / 4))
+        most = min(MOST_SECONDS_AT_SCALE,
+                   MOST_SECONDS * max(1.0, len(self.ranks) / RANKS_PER_READ))
+        return FIRST_SECONDS if waited == 0 else min(most, max(LATER_SECONDS, waited / 4))
 
     def stalled(self, group: str, n: int) -> None:
         """The wait on this rank's ``n``-th op over ``group`` has not completed: report it
