@@ -207,10 +207,11 @@ class PhaseCheck:
             self.comm = None
 
     def _mismatch(self, rows: dict[int, list[int]]) -> str:
-        """The same sentence on every rank (``rows``: global rank -> its row, in rank
-        order): the side of the first rank and the first that differs (in phase, else in
-        step: ranks of a deadlock the stall watch found); an engine call made on some ranks
-        only is named as the call."""
+        """The same sentence on every rank given the same rows (``rows``: global rank -> its
+        row, in rank order; a deadlock the stall watch found gives each rank the ranks that
+        had reported when it looked): the side of the first rank and the first that differs
+        (in phase, else in step); an engine call made on some ranks only is named as the
+        call."""
         sides: dict[tuple[int, int], list[int]] = {}
         for r, row in rows.items():
             sides.setdefault((row[0], row[1]), []).append(r)
