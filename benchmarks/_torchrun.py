@@ -3,10 +3,12 @@ one thread per rank) and read back the one ``RESULT {json}`` line rank 0 prints.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 def run_ranks(script: str, nproc: int, args: list[str], env: dict | None = None) -> dict:
@@ -26,3 +28,27 @@ def run_ranks(script: str, nproc: int, args: list[str], env: dict | None = None)
 def print_result(result: dict) -> None:
     """What a worker's rank 0 prints for :func:`run_ranks`."""
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def alternating_args(doc: str, steps: int, aa_help: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that alternates arms step by step on 2 ranks: ``--stage``,
+    ``--steps``, ``--aa`` (the same arm throughout: the ratio's own noise) and the hidden
+    ``--worker`` of :func:`run_ranks`; the caller adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--aa", action="store_true", help=aa_help)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_and_run(parser: argparse.ArgumentParser, script: str,
+                  worker: Callable[[argparse.Namespace], None],
+                  ) -> tuple[argparse.Namespace, dict | None]:
+    """The options; in ``--worker`` mode (a rank under torchrun) run ``worker`` and return no
+    result, else launch ``script`` on 2 ranks (:func:`run_ranks`) and return its result."""
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return args, None
+    return args, run_ranks(script, 2, sys.argv[1:])

@@ -23,17 +23,17 @@ under the persistence threshold). ``--aa``: ``none`` in every arm, the ratios' o
 from __future__ import annotations
 
 import argparse
-import os
-import queue
 import statistics
-import tempfile
 import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _torchrun import alternating_args, parse_and_run, print_result
 from torch import nn
+
+import meshzero
+from meshzero.faults.phase import PhaseCheck
 
 
 def _control_ops(engine) -> Counter:
@@ -47,14 +47,9 @@ def _control_ops(engine) -> Counter:
 ARMS = ("watch", "posts", "none")
 
 
-def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world)
-    import meshzero
-    from meshzero.faults.phase import PhaseCheck
-
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
     arm = ["watch"]
     enter = PhaseCheck.enter
 
@@ -88,39 +83,23 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out) -> N
         engine.step()
         times[name].append(time.perf_counter() - t0)
         ops.update({(name, op): n for op, n in _control_ops(engine).items()})
-    if rank == 0:
-        out.put(({k: statistics.median(v[5:]) for k, v in times.items()},
-                 {f"{k[0]}: {k[1]}": n / len(times[k[0]]) for k, n in sorted(ops.items())
-                  if n}))
     phases.watch = phases.stats.watch = watch
     engine.close()
+    if dist.get_rank() == 0:
+        print_result({"median": {k: statistics.median(v[5:]) for k, v in times.items()},
+                      "ops": {f"{k[0]}: {k[1]}": n / len(times[k[0]])
+                              for k, n in sorted(ops.items()) if n}})
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=300)
+    parser = alternating_args(__doc__, 300, "no check in every arm: the ratios' noise on this "
+                              "machine")
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--aa", action="store_true",
-                        help="no check in every arm: the ratios' noise on this machine")
-    args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, 2, f"{tmp}/store", args, out))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        res, exchanges = None, {}
-        while res is None:  # a rank that died says so (its traceback above), not a hang
-            try:
-                res, exchanges = out.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a rank failed") from None
-        for p in procs:
-            p.join()
+    args, out = parse_and_run(parser, __file__, worker)
+    if out is None:  # a rank
+        return
+    res, exchanges = out["median"], out["ops"]
     base = res["none"]
     aa = " (A/A: none in every arm)" if args.aa else ""
     print(f"stage {args.stage}, W=2, width {args.width}{aa}: median step "

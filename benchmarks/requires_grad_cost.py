@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _torchrun import print_result, run_ranks
+from _torchrun import alternating_args, parse_and_run, print_result
 from torch import nn
 
 import meshzero
@@ -79,19 +79,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=200)
+    parser = alternating_args(__doc__, 200, "the stand-in in both halves: the ratio's noise "
+                              "on this machine")
     parser.add_argument("--blocks", type=int, default=24)
-    parser.add_argument("--aa", action="store_true",
-                        help="the stand-in in both halves: the ratio's noise on this machine")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args, res = parse_and_run(parser, __file__, worker)
+    if res is None:  # a rank
         return
-    res = run_ranks(__file__, 2, ["--stage", str(args.stage), "--steps", str(args.steps),
-                                  "--blocks", str(args.blocks), *(["--aa"] if args.aa else [])])
     first = "stand-in (A/A: even steps)" if args.aa else "tracking"
     print(f"stage {args.stage}, W=2, {args.blocks} blocks ({res['params']} parameters): median "
           f"step {res['on'] * 1e3:.3f} ms with the {first}, {res['off'] * 1e3:.3f} ms with the "
