@@ -1,0 +1,2 @@
+"""``deepspeed.runtime``: the modules real code imports names from (engine, zero, dataloader,
+config)."""
