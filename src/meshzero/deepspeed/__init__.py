@@ -21,7 +21,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(p) for p in __ver
 
 # public name -> "module" (the name is that module's attribute) or "module:" (the module)
 _EXPORTS = {
-    "initialize": "meshzero.deepspeed.engine",
+    "initialize": "meshzero.deepspeed.entry",
     "DeepSpeedEngine": "meshzero.deepspeed.engine",
     "init_distributed": "meshzero.deepspeed.comm",
     "add_config_arguments": "meshzero.deepspeed.arguments",
