@@ -1,6 +1,6 @@
 """The shape of the house (docs/architecture.md): no import cycle among runtime modules, no
-function over 60 lines anywhere in src/meshzero, and at most 12
-files at the package top level.
+function over 60 lines anywhere in src/meshzero, at most 12 files at the package top level,
+and nothing outside ``meshzero.deepspeed`` imports it.
 
 ``python -m tests.test_architecture`` prints the figures (top-level files, cycles, the
 longest functions) for a closing note.
@@ -149,6 +149,16 @@ def test_no_import_cycles():
 def test_no_long_functions():
     offenders = long_functions()
     assert offenders == [], f"functions over {MAX_FUNCTION_LINES} lines: {offenders}"
+
+
+def test_only_the_deepspeed_map_imports_itself():
+    """``meshzero.deepspeed`` is a map onto meshzero's API (docs/migration.md): no other
+    module of the package may depend on it."""
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() if not m.startswith("meshzero.deepspeed")
+                   and any(d == "meshzero.deepspeed" or d.startswith("meshzero.deepspeed.")
+                           for d in deps))
+    assert users == [], f"modules outside meshzero.deepspeed that import it: {users}"
 
 
 if __name__ == "__main__":
