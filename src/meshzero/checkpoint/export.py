@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -99,6 +100,10 @@ class TagTensors:
 
     def close(self) -> None:
         self._stack.close()
+
+    def close_when_collected(self) -> None:
+        """Close the files once this object is garbage (lazy readers hold it meanwhile)."""
+        weakref.finalize(self, self._stack.close)
 
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
