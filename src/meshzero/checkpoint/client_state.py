@@ -51,7 +51,7 @@ TAG = "__meshzero__"
 ENCODING = 1  # the manifest's "client_state_encoding" (absent: plain JSON, older checkpoints)
 FILE = "client_state.safetensors"
 KEY_PREFIX = "client_state|"
-_SEQUENCES = {tuple: "tuple", set: "set", frozenset: "frozenset"}
+_SEQUENCES: dict[type, str] = {tuple: "tuple", set: "set", frozenset: "frozenset"}
 _PATHS = {cls.__name__: cls for cls in (pathlib.Path, pathlib.PurePath, pathlib.PurePosixPath,
                                          pathlib.PureWindowsPath, pathlib.PosixPath,
                                          pathlib.WindowsPath)}
