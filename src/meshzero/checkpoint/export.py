@@ -87,10 +87,12 @@ class TagTensors:
                                          exclude_frozen)
         self._index = {spec.name: i for i, spec in enumerate(self.specs)}
         self._stack = contextlib.ExitStack()
-        self.readers = {key: self._stack.enter_context(CheckpointReader(where, self.manifests[key]))
-                        for key, where in self.pieces.items()}
-        for key, reader in self.readers.items():
-            reader.check_extents(self.manifests[key]["params"])
+        with self._stack as stack:  # closed here only if a check below fails
+            self.readers = {key: stack.enter_context(CheckpointReader(where, self.manifests[key]))
+                            for key, where in self.pieces.items()}
+            for key, reader in self.readers.items():
+                reader.check_extents(self.manifests[key]["params"])
+            self._stack = stack.pop_all()
 
     def __enter__(self) -> TagTensors:
         return self
@@ -107,6 +109,10 @@ class TagTensors:
 
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
+
+    def spec(self, name: str) -> TensorSpec:
+        """The shape and dtype :meth:`read` gives ``name``."""
+        return self.specs[self._index[name]]
 
     def source(self, name: str) -> Source:
         """Where ``name``'s values are stored (tied names share one source)."""

@@ -34,14 +34,15 @@ __all__ = [
 _NO_SHARDING = 1 << 62  # max_shard_size=None: one file
 
 
-class LazyTensor:
-    """One tensor of a checkpoint, read when :meth:`contiguous` is called (DeepSpeed's
-    ``GatheredTensor`` of ``lazy_mode``); ``shape`` and ``dtype`` are known up front."""
+class GatheredTensor:
+    """DeepSpeed's `deepspeed.utils.zero_to_fp32.GatheredTensor`: a lazy_mode value, read by contiguous().
+
+    One tensor of a checkpoint; ``shape`` and ``dtype`` are known up front."""
 
     def __init__(self, tensors: TagTensors, name: str):
         self._tensors = tensors
         self._name = name
-        spec = tensors.specs[tensors.names().index(name)]
+        spec = tensors.spec(name)
         self.shape = torch.Size(spec.shape)
         self.dtype = spec.dtype
 
@@ -50,7 +51,7 @@ class LazyTensor:
         return self._tensors.read(self._name)
 
     def __repr__(self) -> str:
-        return f"LazyTensor({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"GatheredTensor({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _tag_tensors(checkpoint_dir: str | os.PathLike, tag: str | None,
@@ -70,7 +71,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     ``latest`` names) under ``checkpoint_dir`` (the ``save_dir`` given to
     ``engine.save_checkpoint``), buffers included; tied names share one tensor.
     ``exclude_frozen_parameters`` leaves out the parameters that were not trained.
-    ``lazy_mode``: the values are :class:`LazyTensor` objects whose ``contiguous()`` reads
+    ``lazy_mode``: the values are :class:`GatheredTensor` objects whose ``contiguous()`` reads
     the tensor (the files stay open while any of them is alive).
     """
     tensors = _tag_tensors(checkpoint_dir, tag, exclude_frozen_parameters)
@@ -80,7 +81,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
         for name in tensors.names():
             source = tensors.source(name)
             if source not in shared:
-                shared[source] = LazyTensor(tensors, name) if lazy_mode else tensors.read(name)
+                shared[source] = GatheredTensor(tensors, name) if lazy_mode else tensors.read(name)
             out[name] = shared[source]
     finally:
         if lazy_mode:
@@ -138,7 +139,7 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    """DeepSpeed's `zero_to_fp32.py` script: CHECKPOINT_DIR OUTPUT_DIR [options], same flags."""
+    """DeepSpeed's `deepspeed.utils.zero_to_fp32` as a script: CHECKPOINT_DIR OUTPUT_DIR, same flags."""
     parser = argparse.ArgumentParser(description="a meshzero checkpoint's fp32 weights as "
                                                  "safetensors")
     parser.add_argument("checkpoint_dir")
