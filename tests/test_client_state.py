@@ -14,6 +14,15 @@ import torch
 from meshzero.checkpoint.client_state import TAG, decode, encode
 from meshzero.deepspeed.checkpoint_utils import clone_tensors_for_torch_save
 
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+class AttributeDict(dict):
+    """Lightning's hyper_parameters container: a dict whose items read as attributes."""
+
+    def __getattr__(self, key):
+        return self[key]
+
 
 def round_trip(value):
     encoded = encode(value)
@@ -34,7 +43,32 @@ def test_one_tensor_saved_once_and_shared_back():
     assert type(back["od"]) is collections.OrderedDict and torch.equal(back["od"]["k"], t[1:])
 
 
+def test_dict_subclasses_and_namedtuples():
+    """A defaultdict with a builtin factory, a dict subclass whose state is its items
+    (Lightning's AttributeDict in its checkpoint's hyper_parameters) and a namedtuple come
+    back as themselves."""
+    counts = collections.defaultdict(list, {"a": [1]})
+    value = {"counts": counts, "hp": AttributeDict(lr=0.1, sizes=(1, 2)), "p": Point(1, [2])}
+    back, _ = round_trip(value)
+    assert type(back["counts"]) is collections.defaultdict and back["counts"] == counts
+    assert back["counts"].default_factory is list
+    assert type(back["hp"]) is AttributeDict and back["hp"].sizes == (1, 2)
+    assert type(back["p"]) is Point and back["p"] == Point(1, [2])
+
+
+class _Tagged(dict):
+    pass
+
+
+def _with_attribute() -> dict:
+    d = _Tagged(a=1)
+    d.note = "lost by a plain dict copy"
+    return d
+
+
 @pytest.mark.parametrize(("value", "where", "what"), [
+    ({"d": collections.defaultdict(lambda: 0)}, "client_state['d']", "default_factory"),
+    ({"d": _with_attribute()}, "client_state['d']", "attributes of its own: ['note']"),
     ({"opt": {"fn": len}}, "client_state['opt']['fn']", "a function (len)"),
     ({"a": [1, lambda: 0]}, "client_state['a'][1]", "a function (<lambda>)"),
     ({"cls": dict}, "client_state['cls']", "a class (dict)"),

@@ -15,7 +15,9 @@ same type::
     path            {"class", "path"}: pathlib paths
     bytes           {"hex"}
     torch_dtype, torch_device, torch_size, complex, slice, range
-    dataclass, enum {"class", ...}: decoded only when the class's module is already imported
+    defaultdict     {"factory", "items"}: with a builtin default_factory (int, list, ...)
+    dataclass, enum, namedtuple, mapping (a dict subclass: Lightning's AttributeDict)
+                    {"class", ...}: decoded only when the class's module is already imported
 
 A value none of these cover (a function, a lock, a module, an open file, an object tensor)
 raises ValueError naming its key path (``client_state['opt']['fn']``) before anything is
@@ -52,6 +54,8 @@ ENCODING = 1  # the manifest's "client_state_encoding" (absent: plain JSON, olde
 FILE = "client_state.safetensors"
 KEY_PREFIX = "client_state|"
 _SEQUENCES: dict[type, str] = {tuple: "tuple", set: "set", frozenset: "frozenset"}
+_FACTORIES: dict[str, type] = {t.__name__: t for t in (int, float, str, bool, list, dict, set,
+                                                      tuple)}
 _PATHS = {cls.__name__: cls for cls in (pathlib.Path, pathlib.PurePath, pathlib.PurePosixPath,
                                          pathlib.PureWindowsPath, pathlib.PosixPath,
                                          pathlib.WindowsPath)}
@@ -131,10 +135,35 @@ class _Encoder:
             fields = {f.name: self.encode(getattr(value, f.name), f"{where}.{f.name}")
                       for f in dataclasses.fields(value) if f.init}
             return {TAG: "dataclass", "class": _class_name(cls), "fields": fields}
+        if isinstance(value, dict):
+            return self._mapping(value, where)
+        if isinstance(value, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+            fields = {f: self.encode(getattr(value, f), f"{where}.{f}") for f in cls._fields}
+            return {TAG: "namedtuple", "class": _class_name(cls), "fields": fields}
         raise ValueError(f"{where}: {_describe(value)} cannot be saved in a checkpoint "
                          "(meshzero checkpoints hold no pickles: client_state may hold tensors, "
-                         "numpy arrays, argparse.Namespace, dataclasses, enums, paths and plain "
-                         "JSON values in dicts, lists, tuples and sets); convert it first")
+                         "numpy arrays, argparse.Namespace, dataclasses, enums, namedtuples, "
+                         "paths and plain JSON values in dicts, lists, tuples and sets); "
+                         "convert it first")
+
+    def _mapping(self, value: dict, where: str) -> dict:
+        """A dict subclass: a defaultdict with a builtin factory, or a class whose state is
+        its items (Lightning's AttributeDict, ...)."""
+        cls = type(value)
+        if isinstance(value, collections.defaultdict):
+            factory = value.default_factory
+            if factory is not None and _FACTORIES.get(getattr(factory, "__name__", "")) \
+                    is not factory:
+                raise ValueError(f"{where}: a defaultdict whose default_factory is "
+                                 f"{_describe(factory)} cannot be saved in a checkpoint (only "
+                                 f"{sorted(_FACTORIES)} can); convert it to a dict first")
+            return {TAG: "defaultdict", "factory": factory and factory.__name__,
+                    "items": self._items(value, where)}
+        if getattr(value, "__dict__", None):
+            raise ValueError(f"{where}: {_describe(value)} (a dict with attributes of its own: "
+                             f"{sorted(vars(value))}) cannot be saved in a checkpoint; convert "
+                             "it to a dict first")
+        return {TAG: "mapping", "class": _class_name(cls), "items": self._items(value, where)}
 
     def _tensor(self, t: torch.Tensor, where: str) -> dict:
         if t.layout != torch.strided or t.is_quantized or t.is_complex():
@@ -232,7 +261,11 @@ class _Decoder:
             return self._tensor(value)
         if kind == "ndarray":
             return self._ndarray(value)
-        if kind in ("dataclass", "enum"):
+        if kind == "defaultdict":
+            factory = _FACTORIES[value["factory"]] if value["factory"] else None
+            return collections.defaultdict(factory, ((self._key(k), self.decode(v))
+                                                     for k, v in value["items"]))
+        if kind in ("dataclass", "enum", "mapping", "namedtuple"):
             return self._class_instance(value)
         return _decode_simple(value)
 
@@ -261,18 +294,29 @@ class _Decoder:
         return raw.view(np.dtype(value["dtype"])).reshape(value["shape"]).copy()
 
     def _class_instance(self, value: dict) -> Any:
-        module_name, _, qualname = value["class"].partition(":")
-        module = sys.modules.get(module_name)
-        obj: Any = module
-        for part in qualname.split("."):
-            obj = getattr(obj, part, None)
-        if not isinstance(obj, type):
-            raise ValueError(f"client_state holds a {value[TAG]} of class {value['class']}, "
-                             f"which is not defined in this process: import {module_name} "
-                             "before loading the checkpoint (a load imports nothing)")
-        if value[TAG] == "enum":
-            return obj(self.decode(value["value"]))
-        return obj(**{k: self.decode(v) for k, v in value["fields"].items()})
+        kind, cls = value[TAG], _imported_class(value)
+        if kind == "enum":
+            return cls(self.decode(value["value"]))
+        if kind == "mapping" and issubclass(cls, dict):
+            return cls((self._key(k), self.decode(v)) for k, v in value["items"])
+        if kind in ("dataclass", "namedtuple"):
+            return cls(**{k: self.decode(v) for k, v in value["fields"].items()})
+        raise ValueError(f"client_state holds a {kind} of class {value['class']}, which is "
+                         f"not one in this process (it is a {cls.__qualname__})")
+
+
+def _imported_class(value: dict) -> type:
+    """The class ``value["class"]`` names, from a module already imported (a load imports
+    nothing: importing runs code)."""
+    module_name, _, qualname = value["class"].partition(":")
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, type):
+        raise ValueError(f"client_state holds a {value[TAG]} of class {value['class']}, "
+                         f"which is not defined in this process: import {module_name} "
+                         "before loading the checkpoint (a load imports nothing)")
+    return obj
 
 
 def _decode_simple(value: dict) -> Any:
