@@ -286,7 +286,8 @@ def _fault_checks(rank: int, world_size: int, ckpt: str, corrupt: str, root: str
     engine = make_engine(fp32_config(0))
     for what, call in {
         "corrupt": lambda: engine.load_checkpoint(corrupt),
-        "client_state": lambda: engine.save_checkpoint(f"{root}/new", client_state={"x": {1, 2}}),
+        "client_state": lambda: engine.save_checkpoint(f"{root}/new",
+                                                       client_state={"x": {"fn": print}}),
         "pickle_bin": lambda: engine.load_weights(f"{root}/evil.bin"),
         "pickle_named_safetensors": lambda: engine.load_weights(f"{root}/evil.safetensors"),
         "other_model": lambda: make_engine(fp32_config(1), kind="mlp").load_checkpoint(ckpt),
@@ -325,7 +326,7 @@ def test_faults_fail_with_clear_errors(w4_stage3, tmp_path):
     (errors,) = run_distributed(_fault_checks, 1, tmp_path, str(root / "ckpt"), str(corrupt),
                                 str(tmp_path))
     assert "rank00002.safetensors" in errors["corrupt"] and "checksum" in errors["corrupt"]
-    assert "JSON-serialisable" in errors["client_state"]
+    assert errors["client_state"].startswith("client_state['x']['fn']: a function")
     assert not (tmp_path / "new").exists(), "nothing may be written before the check"
     for key in ("pickle_bin", "pickle_named_safetensors"):
         assert "refusing to load" in errors[key] and "never unpickles" in errors[key]

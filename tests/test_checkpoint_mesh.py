@@ -73,7 +73,8 @@ def _save_runs(rank: int, world_size: int, root: str) -> dict:
     for name, sizes in CASES.items():
         engine = _engine(world_size, *sizes)
         _train(engine, range(SAVE_AFTER))
-        engine.save_checkpoint(f"{root}/{name}", client_state={"case": name})
+        engine.save_checkpoint(f"{root}/{name}",  # a tensor: client_state.safetensors at the top
+                               client_state={"case": name, "step": torch.tensor([SAVE_AFTER])})
         losses = _train(engine, range(SAVE_AFTER, STEPS))
         engine.save_checkpoint(f"{root}/{name}-final")  # for consolidate
         engine.save_16bit_model(f"{root}/{name}-16bit")  # fp32 training: fp32 weights
@@ -86,6 +87,7 @@ def _resume_runs(rank: int, world_size: int, root: str) -> dict:
     for name, sizes in CASES.items():
         engine = _engine(world_size, *sizes, seed=1)
         path, client_state = engine.load_checkpoint(f"{root}/{name}")
+        client_state["step"] = client_state["step"].tolist()
         loaded = {"path": path, "client_state": client_state, "lr": engine.get_lr(),
                   "steps": (engine.global_steps, engine.micro_steps)}
         losses = _train(engine, range(SAVE_AFTER, STEPS))
@@ -108,7 +110,7 @@ def test_resume_is_bit_identical(runs, name):
         a, b = saved[rank][name], resumed[rank][name]
         where = f"{name} rank {rank}"
         assert b["path"] == f"{root}/{name}/global_step{SAVE_AFTER}", where
-        assert b["client_state"] == {"case": name}, where
+        assert b["client_state"] == {"case": name, "step": [SAVE_AFTER]}, where
         assert b["steps"] == (SAVE_AFTER, SAVE_AFTER * GRAD_ACCUM), where
         assert b["losses"] == a["losses"], where
         assert a["params"].keys() == b["params"].keys()
@@ -128,13 +130,16 @@ def test_files_on_disk(runs):
     tag = root / "tp2_pp2" / f"global_step{SAVE_AFTER}"
     top = json.loads((tag / "manifest.json").read_text())
     assert top["pieces"] == ["pp0_tp0", "pp0_tp1", "pp1_tp0", "pp1_tp1"]
+    assert [f["name"] for f in top["files"]] == ["client_state.safetensors"]
     assert top["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and top["world_size"] == 4
-    assert top["files"] == [] and top["client_state"] == {"case": "tp2_pp2"}
+    assert top["client_state"]["case"] == "tp2_pp2"
+    assert top["client_state"]["step"]["__meshzero__"] == "tensor"
     for piece in top["pieces"]:
         manifest = json.loads((tag / piece / "manifest.json").read_text())
         assert [f["name"] for f in manifest["files"]] == ["rank00000.safetensors"]
         assert manifest["piece"] == {"pp": int(piece[2]), "tp": int(piece[-1])}
-    assert sorted(p.name for p in tag.iterdir()) == ["manifest.json", *top["pieces"]]
+    assert sorted(p.name for p in tag.iterdir()) == ["client_state.safetensors", "manifest.json",
+                                                      *top["pieces"]]
     tp_dp = root / "tp2_dp2_zero3" / f"global_step{SAVE_AFTER}"
     assert sorted(p.name for p in (tp_dp / "pp0_tp1").iterdir()) == [
         "manifest.json", "rank00000.safetensors", "rank00001.safetensors"]

@@ -9,13 +9,26 @@ counters), never the engine.
     mesh.py         which ranks write which files on a (pp, dp, tp) mesh; agreement
     state.py        optimizer, scheduler, RNG and model names, captured and restored
     sharded.py      save_checkpoint / load_checkpoint (any dp size and stage on load)
-    weights.py      consolidate, save_16bit_model, load_weights
+    client_state.py client_state without pickle: tagged JSON + client_state.safetensors
+    export.py       a tag's whole tensors in one process (TagTensors), consolidate
+    weights.py      save_16bit_model, consolidated_state_dict, load_weights
     training.py     TrainingState and StepCounters: the seam
 """
 
-from meshzero.checkpoint.sharded import load_checkpoint, save_checkpoint
+from meshzero.checkpoint.export import TagTensors, consolidate
+from meshzero.checkpoint.sharded import (
+    LoadOptions,
+    frozen_names,
+    load_checkpoint,
+    save_checkpoint,
+)
 from meshzero.checkpoint.training import StepCounters, TrainingState
-from meshzero.checkpoint.weights import consolidate, load_weights, save_16bit_model
+from meshzero.checkpoint.weights import (
+    consolidated_state_dict,
+    load_weights,
+    save_16bit_model,
+)
 
-__all__ = ["StepCounters", "TrainingState", "consolidate", "load_checkpoint", "load_weights",
+__all__ = ["LoadOptions", "StepCounters", "TagTensors", "TrainingState", "consolidate",
+           "consolidated_state_dict", "frozen_names", "load_checkpoint", "load_weights",
            "save_16bit_model", "save_checkpoint"]

@@ -94,6 +94,11 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _DTYPES[getattr(torch, _name)] = _code
 
 
+def storable(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be written to safetensors by :func:`safetensors_fill`."""
+    return dtype in _DTYPES
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -222,9 +227,11 @@ def prepare_tmp_dir(save_dir: Path, tag: str) -> None:
     make_dir(tmp)
 
 
-def commit_tag(save_dir: Path, tag: str, directories: Sequence[Path] = ()) -> Path:
-    """Put the complete ``.tmp-{tag}`` in place as ``tag``, then point ``latest`` at it.
-    ``directories``: the subdirectories of the temporary tag, fsynced with it first.
+def commit_tag(save_dir: Path, tag: str, directories: Sequence[Path] = (), *,
+               latest: bool = True) -> Path:
+    """Put the complete ``.tmp-{tag}`` in place as ``tag``, then point ``latest`` at it
+    (``latest=False``: ``latest`` is left as it is). ``directories``: the subdirectories of
+    the temporary tag, fsynced with it first.
 
     A re-save swaps the two directories in one step (atomic.exchange), so ``tag``, and
     ``latest`` naming it, are at every instant a complete checkpoint, the old or the new;
@@ -243,7 +250,8 @@ def commit_tag(save_dir: Path, tag: str, directories: Sequence[Path] = ()) -> Pa
             rename(final, old)
         rename(tmp, final)
     fsync_dir(save_dir)
-    write_latest(save_dir, tag)
+    if latest:
+        write_latest(save_dir, tag)
     remove_tree(old)
     return final
 

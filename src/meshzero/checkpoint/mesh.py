@@ -103,9 +103,10 @@ def mesh_manifest(state: TrainingState, piece_meta: dict) -> dict:
     """The top-level manifest of a tag cut into pieces: what describes the whole run (taken
     from this rank's piece metadata) and the piece directories; no files of its own."""
     keep = ("format", "version", "tag", "meshzero_version", "torch_version", "mesh", "stage",
-            "compute_dtype", "steps", "client_state")
+            "compute_dtype", "steps", "client_state", "client_state_encoding",
+            "excluded_parameters")
     t = state.topology
-    return {**{k: piece_meta[k] for k in keep}, "world_size": t.world_size,
+    return {**{k: piece_meta[k] for k in keep if k in piece_meta}, "world_size": t.world_size,
             "pieces": [piece_name(p, q) for p in range(t.pp_size) for q in range(t.tp_size)],
             "files": []}
 

@@ -24,12 +24,19 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from meshzero.checkpoint.atomic import fsync_dir, make_dir, remove_tree
+from meshzero.checkpoint.client_state import ENCODING as CLIENT_ENCODING
+from meshzero.checkpoint.client_state import FILE as CLIENT_FILE
+from meshzero.checkpoint.client_state import KEY_PREFIX as CLIENT_KEY_PREFIX
+from meshzero.checkpoint.client_state import Encoded as EncodedClientState
+from meshzero.checkpoint.client_state import decode as decode_client_state
+from meshzero.checkpoint.client_state import encode as encode_client_state
 from meshzero.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -83,7 +90,7 @@ from meshzero.checkpoint.training import TrainingState
 from meshzero.hf.files import hf_model_files
 from meshzero.zero.fragment_views import fragment_views
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["LoadOptions", "load_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,34 +99,45 @@ PIECE_NOTE = "piece.json"  # a piece's metadata, for world rank 0 to turn into i
 
 # -- save ------------------------------------------------------------------------------------
 def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str | None = None,
-                    client_state: Any = None) -> str:
+                    client_state: Any = None, *, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Write tag ``tag`` (default ``global_step{N}``) under ``save_dir``; collective.
 
-    Returns the tag's directory. ``client_state`` must be JSON-serialisable; it comes back
-    from :func:`load_checkpoint`.
+    Returns the tag's directory. ``client_state`` (world rank 0's) comes back from
+    :func:`load_checkpoint`: tensors and numpy arrays in ``client_state.safetensors``, the
+    rest as tagged JSON (client_state.py); a value that cannot be saved raises, naming its
+    key, on every rank before anything is written. ``save_latest=False`` leaves ``latest``
+    as it is; ``exclude_frozen_parameters`` leaves the frozen parameters' values out (a load
+    then keeps the model's own).
     """
     tag = f"global_step{state.counters.global_steps}" if tag is None else str(tag)
     check_tag(tag)
-    check_json(client_state, "client_state")
+    encoded = _on_all_ranks(state, "client_state", lambda: encode_client_state(client_state))
     names = model_names(state)
     piece = model_piece(state)
-    meta = _manifest_metadata(state, names, piece, tag, client_state)  # before any write
+    skip = frozen_names(state) if exclude_frozen_parameters else frozenset()
+    meta = _manifest_metadata(state, names, piece, tag, encoded, skip)  # before any write
     save_dir = Path(save_dir)
     first = state.topology.rank == 0  # world rank 0 prepares and commits
     t0 = time.perf_counter()
     agree_on_tag(state, tag)
+    top_files: list[dict] = []  # world rank 0: client_state.safetensors
 
     def write() -> None:
         directory = piece.directory(tmp_dir(save_dir, tag))
         if piece.file_rank == 0:
             write_json(directory / PIECE_NOTE, meta)
-        write_rank_state(state, names, piece, directory)
+        write_rank_state(state, names, piece, directory, skip)
+        if first and encoded.tensors:
+            top_files.append(_write_items(tmp_dir(save_dir, tag) / CLIENT_FILE,
+                                          list(zip(encoded.specs, encoded.tensors.values(),
+                                                   strict=True))))
 
     try:
         _on_all_ranks(state, "prepare", lambda: _prepare(save_dir, tag, piece) if first else None)
         _on_all_ranks(state, "write", write)
-        _on_all_ranks(state, "commit",
-                      lambda: _commit(state, piece, save_dir, tag, meta) if first else None)
+        _on_all_ranks(state, "commit", lambda: _commit(
+            state, piece, save_dir, tag, meta, top_files, save_latest) if first else None)
     except Exception:
         if first:  # every rank knows of the failure (or a rank died): remove the temporary
             remove_tree(tmp_dir(save_dir, tag))
@@ -128,8 +146,13 @@ def save_checkpoint(state: TrainingState, save_dir: str | os.PathLike, tag: str 
     return str(save_dir / tag)
 
 
+def frozen_names(state: TrainingState) -> frozenset[str]:
+    """The canonical names of the parameters that are not trained (requires_grad False)."""
+    return frozenset(s.name for g in state.zero.groups if not g.trainable for s in g.layout.slots)
+
+
 def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiece, tag: str,
-                       client_state: Any) -> dict:
+                       client_state: EncodedClientState, skip: frozenset[str]) -> dict:
     from meshzero import __version__
 
     meta = {
@@ -139,13 +162,16 @@ def _manifest_metadata(state: TrainingState, names: ModelNames, piece: ModelPiec
         "mesh": {axis: n for axis, n in state.topology.sizes.items() if axis != "sp" or n > 1},
         "stage": state.zero_stage,
         "compute_dtype": dtype_name(state.compute_dtype), "saved_param_dtype": "float32",
-        **model_metadata(state, names),
+        **model_metadata(state, names, skip),
         "optimizer": optimizer_metadata(state),
         "scheduler": scheduler_metadata(state),
         "loss_scaler": state.loss_scaler.state_dict(),
         "steps": dataclasses.asdict(state.counters),  # global, micro, skipped steps
-        "client_state": client_state,
+        "client_state": client_state.json,
+        "client_state_encoding": CLIENT_ENCODING,
     }
+    if skip:
+        meta["excluded_parameters"] = sorted(skip)
     if hf_files := hf_model_files(state.module):  # for consolidate's config.json
         meta["hf_files"] = hf_files
     if piece.split:
@@ -165,11 +191,11 @@ def _prepare(save_dir: Path, tag: str, piece: ModelPiece) -> None:
 
 
 def write_rank_state(state: TrainingState, names: ModelNames, piece: ModelPiece,
-                     directory: Path) -> None:
+                     directory: Path, skip: frozenset[str] = frozenset()) -> None:
     """This rank's safetensors file in its piece's directory (+ ``shared.safetensors`` on
     the piece's first rank) and a small JSON note for world rank 0 to merge into the
     piece's manifest. Files are named by dp rank; MiCS blocks after the first write only
-    their RNG state."""
+    their RNG state. The parameters named in ``skip`` are left out."""
     rank = piece.file_rank
     info: dict[str, Any] = {"rank": rank, "state_kinds": {}, "param_group_of": {},
                             "extra_state": {}}
@@ -177,6 +203,8 @@ def write_rank_state(state: TrainingState, names: ModelNames, piece: ModelPiece,
     # at stage 0 every rank owns everything: the first one writes it
     if piece.writes_state and (state.zero_stage > 0 or state.zero.comm.rank == 0):
         for view, name, start, end in fragment_views(state.zero.groups, for_load=False):
+            if name in skip:
+                continue
             spec = TensorSpec(piece_key(name, start, end, "master"), torch.float32, (end - start,))
             items.append((spec, view))
         items += optimizer_items(state, info)
@@ -196,26 +224,28 @@ def _write_items(path: Path, items: list) -> dict:
             "keys": [s.name for s in specs]}
 
 
-def _commit(state: TrainingState, piece: ModelPiece, save_dir: Path, tag: str, meta: dict) -> None:
+def _commit(state: TrainingState, piece: ModelPiece, save_dir: Path, tag: str, meta: dict,
+            top_files: list[dict], save_latest: bool) -> None:
     """World rank 0: every piece's manifest from its ranks' notes, the tag's manifest (when
-    the model is cut into pieces), then rename and update latest."""
+    the model is cut into pieces; ``top_files``: the files of the tag directory itself),
+    then rename and (``save_latest``) update latest."""
     tmp = tmp_dir(save_dir, tag)
     directories = piece.all_directories(tmp)
     for directory in directories:
-        _write_piece_manifest(directory, piece.num_files)
+        _write_piece_manifest(directory, piece.num_files, top_files if directory == tmp else [])
     if piece.split:  # the top manifest last: it makes the tag complete (tags.py)
         for directory in directories:
             fsync_dir(directory)
-        write_manifest(tmp / MANIFEST, mesh_manifest(state, meta))
-    commit_tag(save_dir, tag, [d for d in directories if d != tmp])
+        write_manifest(tmp / MANIFEST, dict(mesh_manifest(state, meta), files=top_files))
+    commit_tag(save_dir, tag, [d for d in directories if d != tmp], latest=save_latest)
 
 
-def _write_piece_manifest(directory: Path, num_files: int) -> None:
-    """The piece's manifest from its notes (written after every rank file was fsynced);
-    the notes are removed once it is written."""
+def _write_piece_manifest(directory: Path, num_files: int, extra_files: list[dict]) -> None:
+    """The piece's manifest from its notes (written after every rank file was fsynced),
+    listing ``extra_files`` too; the notes are removed once it is written."""
     notes = [directory / PIECE_NOTE] + [directory / f"rank{r:05d}.json" for r in range(num_files)]
     meta = json.loads(notes[0].read_text())
-    manifest = dict(meta, files=[], rng={})
+    manifest = dict(meta, files=list(extra_files), rng={})
     optim = manifest["optimizer"] = dict(meta["optimizer"], state_kinds={}, param_group_of={},
                                          extra_state={})
     for rank in range(num_files):
@@ -231,12 +261,34 @@ def _write_piece_manifest(directory: Path, num_files: int) -> None:
 
 
 # -- load ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a load restores besides the weights and buffers."""
+
+    optimizer: bool = True  # optimizer state and hyperparameters, and the loss scaler
+    lr_scheduler: bool = True
+    strict: bool = True  # False: missing / unexpected names allowed (torch's strict=False)
+    module_only: bool = False  # True: the weights and buffers only (no counters, no RNG)
+
+    @property
+    def load_optimizer(self) -> bool:
+        return self.optimizer and not self.module_only
+
+    @property
+    def load_lr_scheduler(self) -> bool:
+        return self.lr_scheduler and not self.module_only
+
+
 def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str | None = None,
-                    load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True) -> tuple[str | None, Any]:
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    *, strict: bool = True, module_only: bool = False) -> tuple[str | None, Any]:
     """Load tag ``tag`` (default: the one ``latest`` names) at any data-parallel size and
     stage (tp and pp as saved); collective. Returns ``(tag directory, client_state)``, or
-    ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` file."""
+    ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` file. ``strict`` and
+    ``module_only``: see :class:`LoadOptions`."""
+    # an engine without an optimizer (forward only) loads the model of any checkpoint
+    load_optimizer_states = load_optimizer_states and state.optimizer is not None
+    options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, strict, module_only)
     _on_all_ranks(state, "recover",  # a save killed before: put its tag back first
                   lambda: recover_tags(Path(load_dir)) if state.topology.rank == 0 else None)
     directory = resolve_tag(load_dir, tag)
@@ -254,57 +306,82 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
         return top, CheckpointReader(where, top if where == directory else read_manifest(where))
 
     top, opened = _on_all_ranks(state, "manifest", open_piece)
-    manifest = opened.manifest
     with opened as reader:
-        def validate() -> dict[str, str]:
-            reader.check_extents(manifest["params"])
-            rename = match_names(names, state, manifest, str(reader.directory))
-            files = _param_files(state, reader, rename) | rng_files(reader, piece.file_rank)
-            if names.buffers:
-                files |= {reader.file_of(f"{n}|buffer") for n in names.buffers}
-            if load_lr_scheduler_states:
-                check_scheduler(state, manifest["scheduler"])
-            if load_optimizer_states:
-                check_optimizer(state, manifest["optimizer"], rename)
-                files |= optimizer_files(state, reader, manifest["optimizer"], rename)
-            reader.verify(files)  # every file this rank reads, against the manifest's sha256
-            return rename
-
-        rename = _on_all_ranks(state, "validation", validate)
-        _on_all_ranks(state, "read", lambda: _apply(state, names, reader, manifest, rename,
-                                                    piece.file_rank, load_optimizer_states,
-                                                    load_lr_scheduler_states))
+        rename, client_state = _on_all_ranks(state, "validation", lambda: (
+            _validate(state, names, reader, piece.file_rank, options),
+            _read_client_state(state, directory, top)))
+        _on_all_ranks(state, "read", lambda: _apply(state, names, reader, rename,
+                                                    piece.file_rank, options))
     state.zero.optim_state.sync_params()
-    logger.info("loaded checkpoint %s (saved at world size %d, stage %d) in %.3f s", directory,
-                top["world_size"], top["stage"], time.perf_counter() - t0)
-    return str(directory), top["client_state"]
+    logger.info("loaded checkpoint %s (saved at world size %d, stage %d%s) in %.3f s",
+                directory, top["world_size"], top["stage"],
+                ", weights only" if module_only else "", time.perf_counter() - t0)
+    return str(directory), client_state
+
+
+def _validate(state: TrainingState, names: ModelNames, reader: CheckpointReader,
+              file_rank: int, options: LoadOptions) -> dict[str, str]:
+    """The checks of a load before anything changes: names and shapes, optimizer and
+    scheduler classes, and the checksum of every file this rank reads."""
+    manifest = reader.manifest
+    reader.check_extents(manifest["params"])
+    rename = match_names(names, state, manifest, str(reader.directory), options.strict)
+    files = _param_files(state, reader, rename)
+    if not options.module_only:
+        files |= rng_files(reader, file_rank)
+    files |= {reader.file_of(f"{n}|buffer") for n in names.buffers if n in manifest["buffers"]}
+    if options.load_lr_scheduler:
+        check_scheduler(state, manifest["scheduler"])
+    if options.load_optimizer:
+        check_optimizer(state, manifest["optimizer"], rename)
+        files |= optimizer_files(state, reader, manifest["optimizer"], rename)
+    reader.verify(files)  # every file this rank reads, against the manifest's sha256
+    return rename
+
+
+def _read_client_state(state: TrainingState, directory: Path, top: dict) -> Any:
+    """The saved client_state, decoded (its tensors from the tag's client_state.safetensors,
+    checked against the manifest's sha256); an older checkpoint's plain JSON as it is."""
+    if "client_state_encoding" not in top:
+        return top["client_state"]
+    with CheckpointReader(directory, top) as reader:
+        tensors = {key: reader.read_whole(key) for key in reader.whole
+                   if key.startswith(CLIENT_KEY_PREFIX)}
+    return decode_client_state(top["client_state"], tensors, state.device)
 
 
 def _param_files(state: TrainingState, reader: CheckpointReader, rename: dict[str, str]
                  ) -> set[int]:
     files = set()
     for _, name, start, end in fragment_views(state.zero.groups, for_load=True):
-        files |= {p.file for p in reader.locate(rename[name], "master", start, end)}
+        if name in rename:
+            files |= {p.file for p in reader.locate(rename[name], "master", start, end)}
     return files
 
 
-def _apply(state: TrainingState, names: ModelNames, reader: CheckpointReader, manifest: dict,
-           rename: dict[str, str], file_rank: int, load_optimizer_states: bool,
-           load_lr_scheduler_states: bool) -> None:
-    """Local part of a load (no collectives): values, buffers, optimizer, scheduler, RNG."""
-    if load_optimizer_states:  # frozen now, trained before: its master and state come back
+def _apply(state: TrainingState, names: ModelNames, reader: CheckpointReader,
+           rename: dict[str, str], file_rank: int, options: LoadOptions) -> None:
+    """Local part of a load (no collectives): values, buffers, optimizer, scheduler, RNG.
+    Parameters and buffers the checkpoint lacks (strict=False, excluded frozen ones) keep
+    their values."""
+    manifest = reader.manifest
+    if options.load_optimizer:  # frozen now, trained before: its master and state come back
         saved = manifest["optimizer"]["param_group_of"]
         state.zero.make_trainable(n for n, src in rename.items() if src in saved)
     with torch.no_grad():
         for view, name, start, end in fragment_views(state.zero.groups, for_load=True):
-            view.copy_(reader.read(rename[name], "master", start, end))
+            if name in rename:
+                view.copy_(reader.read(rename[name], "master", start, end))
         for name, buf in names.buffers.items():
-            buf.copy_(reader.read_whole(f"{name}|buffer"))
-    if load_optimizer_states:
+            if name in manifest["buffers"]:
+                buf.copy_(reader.read_whole(f"{name}|buffer"))
+    if options.load_optimizer:
         load_optimizer(state, reader, manifest["optimizer"], rename)
         state.loss_scaler.load_state_dict(manifest["loss_scaler"])
-    if load_lr_scheduler_states:
-        load_scheduler(state, manifest["scheduler"], set_lr=not load_optimizer_states)
+    if options.load_lr_scheduler:
+        load_scheduler(state, manifest["scheduler"], set_lr=not options.load_optimizer)
+    if options.module_only:  # DeepSpeed's load_module_only: no counters, no RNG
+        return
     steps = manifest["steps"]
     state.counters.global_steps = steps["global_steps"]
     state.counters.micro_steps = steps["micro_steps"]

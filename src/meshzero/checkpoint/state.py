@@ -141,6 +141,8 @@ def check_optimizer(state: TrainingState, saved: dict, rename: dict[str, str]) -
                          f"groups, this engine's has {len(opt.param_groups)}")
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     for leaf, frag, _ in state.zero.optim_state.fragment_index:
+        if frag.slot.name not in rename:  # not in the checkpoint (strict=False): fresh state
+            continue
         want = saved["param_group_of"].get(rename[frag.slot.name])
         if want is not None and want != group_of[id(leaf)]:
             raise ValueError(f"parameter {frag.slot.name} is in param group "
@@ -158,6 +160,8 @@ def load_optimizer(state: TrainingState, reader: CheckpointReader, saved: dict,
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     opt.state.clear()
     for leaf, frag, _ in state.zero.optim_state.fragment_index:
+        if frag.slot.name not in rename:  # not in the checkpoint (strict=False): fresh state
+            continue
         name = rename[frag.slot.name]
         pg = group_of[id(leaf)]
         # torch keeps Adam's step on the CPU unless the kernels are fused or capturable
@@ -181,6 +185,8 @@ def optimizer_files(state: TrainingState, reader: CheckpointReader, saved: dict,
                     rename: dict[str, str]) -> set[int]:
     files = set()
     for _, frag, _ in state.zero.optim_state.fragment_index:
+        if frag.slot.name not in rename:
+            continue
         name = rename[frag.slot.name]
         for kind in saved["state_kinds"]:
             if reader.has(name, f"optim.{kind}"):
@@ -261,11 +267,15 @@ def load_rng(reader: CheckpointReader, saved: dict, rank: int) -> None:
 
 
 # -- names -----------------------------------------------------------------------------------
-def model_metadata(state: TrainingState, names: ModelNames) -> dict:
-    """Parameter names, shapes and dtypes, aliases, buffers and the unit layout."""
+def model_metadata(state: TrainingState, names: ModelNames,
+                   skip: frozenset[str] = frozenset()) -> dict:
+    """Parameter names, shapes and dtypes, aliases, buffers and the unit layout; the
+    parameters in ``skip`` (and their tied aliases) are left out of params and state_dict."""
     params = {}
     for group in state.zero.groups:
         for slot, p in zip(group.layout.slots, group.params, strict=True):
+            if slot.name in skip:
+                continue
             params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(p.dtype),
                                  "requires_grad": group.trainable, "unit": slot.unit,
                                  "group": slot.group}
@@ -277,8 +287,10 @@ def model_metadata(state: TrainingState, names: ModelNames) -> dict:
          "padded_numel": g.padded_numel, "shard_numel": g.shard_numel,
          "slots": [[s.name, s.offset, s.numel] for s in g.slots]} for g in u.groups]}
         for u in layout.units]
-    return {"params": params, "aliases": names.aliases, "buffers": buffers,
-            "state_dict": names.order, "layout": {"num_shards": layout.num_shards,
+    aliases = {a: c for a, c in names.aliases.items() if c not in skip}
+    order = [n for n in names.order if n not in skip and names.aliases.get(n) not in skip]
+    return {"params": params, "aliases": aliases, "buffers": buffers,
+            "state_dict": order, "layout": {"num_shards": layout.num_shards,
                                                   "units": units}}
 
 
@@ -292,12 +304,19 @@ def buffer_items(names: ModelNames) -> list[Item]:
             for name, b in names.buffers.items()]
 
 
-def match_names(names: ModelNames, state: TrainingState, manifest: dict, where: str
-                ) -> dict[str, str]:
-    """``{model canonical param: checkpoint canonical param}``; ValueError listing missing
-    and unexpected names and shape mismatches."""
+def match_names(names: ModelNames, state: TrainingState, manifest: dict, where: str,
+                strict: bool = True) -> dict[str, str]:
+    """``{model canonical param: checkpoint canonical param}`` of the parameters the
+    checkpoint holds. ValueError listing missing and unexpected names and shape mismatches;
+    with ``strict=False`` (torch's ``load_state_dict(strict=False)``) only shape mismatches
+    raise, and one INFO line names what stays as it is and what is ignored. Frozen
+    parameters a save excluded (``excluded_parameters``) are never missing: the model keeps
+    its own values, as DeepSpeed's load of such a checkpoint does."""
     saved_order = set(manifest["state_dict"])
-    missing = [n for n in names.order if n not in saved_order]
+    excluded = set(manifest.get("excluded_parameters", ()))
+    frozen = {s.name for g in state.zero.groups if not g.trainable for s in g.layout.slots}
+    kept = {n for n in names.order if names.aliases.get(n, n) in excluded & frozen}
+    missing = [n for n in names.order if n not in saved_order and n not in kept]
     unexpected = [n for n in manifest["state_dict"] if n not in set(names.order)]
     rename, mismatched = {}, []
     for name, slot in state.zero.layout.slots.items():
@@ -312,9 +331,13 @@ def match_names(names: ModelNames, state: TrainingState, manifest: dict, where: 
         if info is not None and tuple(info["shape"]) != tuple(buf.shape):
             mismatched.append(f"{name}: checkpoint {tuple(info['shape'])}, model "
                               f"{tuple(buf.shape)}")
-    if missing or unexpected or mismatched:
+    if mismatched or (strict and (missing or unexpected)):
         raise ValueError(f"checkpoint {where} does not match the model:\n"
                          f"  missing (in the model, not in the checkpoint): {missing}\n"
                          f"  unexpected (in the checkpoint, not in the model): {unexpected}\n"
                          f"  shape mismatches: {mismatched}")
+    if missing or unexpected:
+        logger.info("load_module_strict=False: %d missing key(s) keep the model's own values "
+                    "%s; %d unexpected key(s) in the checkpoint are ignored %s", len(missing),
+                    missing, len(unexpected), unexpected)
     return rename

@@ -11,7 +11,6 @@ model in the compute dtype, and pretrained weights loaded into a sharded engine;
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import struct
@@ -29,175 +28,36 @@ from meshzero.checkpoint.atomic import (
     temp_path,
     write_temp_bytes,
 )
+from meshzero.checkpoint.export import full_shape
 from meshzero.checkpoint.format import (
-    LATEST,
-    MANIFEST,
-    CheckpointReader,
     TensorSpec,
-    check_tag,
-    dtype_from_name,
-    read_manifest,
 )
-from meshzero.checkpoint.mesh import on_all_ranks, piece_name, tensor_parallel_layouts
+from meshzero.checkpoint.mesh import on_all_ranks, tensor_parallel_layouts
 from meshzero.checkpoint.model_files import (
     INDEX_SUFFIX,
     WeightsReader,
     check_filename,
     model_file_set,
-    parse_size,
     shard_file_names,
     write_index,
-    write_model_files,
     write_model_temps,
 )
 from meshzero.checkpoint.state import ModelNames, model_names
-from meshzero.checkpoint.tags import readable_tag
 from meshzero.checkpoint.training import TrainingState
 from meshzero.hf.files import hf_model_files, render_hf_model_files
-from meshzero.parallel.shards import ShardLayout, shard_tensor, unshard_tensor
+from meshzero.parallel.shards import ShardLayout, shard_tensor
 from meshzero.parallel.tensor_state import gather_tp_tensor
 from meshzero.zero.fragment_views import fragment_views
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# -- whole-model weight files ----------------------------------------------------------------
-def _tag_directory(ckpt_dir: str | os.PathLike, tag: str | None) -> Path:
-    """The tag's directory under a checkpoint directory (if a killed save left it under
-    ``.tmp-``/``.old-{tag}``, that complete copy; nothing is renamed), or an error that says
-    what is wrong."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist"
-                                if not root.exists() else
-                                f"{str(ckpt_dir)!r} is not a directory: give the save_dir "
-                                "passed to engine.save_checkpoint")
-    if tag is None:
-        if not (root / LATEST).is_file():
-            raise ValueError(f"{ckpt_dir} has no 'latest' file; pass a tag")
-        tag = (root / LATEST).read_text().strip()
-    check_tag(tag)
-    return readable_tag(root, tag)
-
-
-def _output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file; consolidate writes model.safetensors into a "
-                         "directory: give a directory")
-    if out.is_dir():
-        finish_journal(out)  # a consolidate killed after its commit: its model is there
-    existing = model_file_set(out)
-    if existing and not overwrite:
-        raise ValueError(f"{out / existing[0]} already exists; pass --overwrite "
-                         "(overwrite=True) to replace the model in that directory")
-    return out
-
-
-def consolidate(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                tag: str | None = None, dtype: str | torch.dtype = "fp32",
-                max_shard_size: str | int = "5GB", overwrite: bool = False) -> list[Path]:
-    """Write a checkpoint's full model as safetensors under the model's state_dict names
-    (tied names as copies), sharded with ``model.safetensors.index.json`` above
-    ``max_shard_size``. A checkpoint cut into (pp, tp) pieces is put back together: stages
-    side by side, tensor-parallel slices concatenated as they were cut. One process, no
-    distributed; memory: one parameter (all its tp slices) at a time. A model already in
-    ``out_dir`` is refused unless ``overwrite``, and then replaced as a whole (a kill
-    leaves the old model or the new one, atomic.py)."""
-    directory = _tag_directory(ckpt_dir, tag)
-    out_dtype = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else dtype
-    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    max_bytes = parse_size(max_shard_size)
-    out = _output_dir(out_dir, overwrite)
-    top = read_manifest(directory)
-    tp, pp = top.get("mesh", {}).get("tp", 1), top.get("mesh", {}).get("pp", 1)
-    if "pieces" in top:
-        pieces = {(p, t): directory / piece_name(p, t) for p in range(pp) for t in range(tp)}
-        manifests = {key: read_manifest(where) for key, where in pieces.items()}
-    else:
-        pieces, manifests = {(0, 0): directory}, {(0, 0): top}
-    specs, sources = _consolidate_plan(manifests, pieces, pp, tp, out_dtype)
-    with contextlib.ExitStack() as stack:
-        readers = {key: stack.enter_context(CheckpointReader(pieces[key], manifests[key]))
-                   for key in pieces}
-        for key, reader in readers.items():
-            reader.check_extents(manifests[key]["params"])
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for spec, (p, src, shape, layout) in zip(specs, sources, strict=True):
-                if shape is None:
-                    t = readers[(p, 0)].read_whole(src)
-                    if tuple(t.shape) != spec.shape:
-                        raise ValueError(f"{pieces[(p, 0)] / MANIFEST}: buffer {spec.name} is "
-                                         f"{tuple(t.shape)} in the files, the manifest says "
-                                         f"{spec.shape}: the manifest was altered")
-                else:
-                    numel = int(torch.Size(shape).numel())
-                    slices = [readers[(p, q)].read(src, "master", 0, numel).view(shape)
-                              for q in range(tp if layout is not None else 1)]
-                    t = slices[0] if layout is None else unshard_tensor(slices, layout)
-                yield spec.name, t.to(spec.dtype)
-
-        return write_model_files(out, specs, tensors(), max_shard_bytes=max_bytes,
-                                 extra=render_hf_model_files(top.get("hf_files", {}), out_dtype))
-
-
-Source = tuple[int, str, "tuple[int, ...] | None", "ShardLayout | None"]
-
-
-def _consolidate_plan(manifests: dict, pieces: dict, pp: int, tp: int, out_dtype: torch.dtype
-                      ) -> tuple[list[TensorSpec], list[Source]]:
-    """The output tensors and where each comes from: (pp rank, key, local shape or None (a
-    buffer), tp layout)."""
-    specs: list[TensorSpec] = []
-    sources: list[Source] = []
-    seen = set()
-    for p in range(pp):
-        manifest = manifests[(p, 0)]
-        layouts = manifest.get("tensor_parallel", {})
-        for name in manifest["state_dict"]:
-            if name in seen:  # a tensor tied across stages: written once
-                continue
-            seen.add(name)
-            if name in manifest["buffers"]:
-                info = manifest["buffers"][name]
-                saved = dtype_from_name(info["dtype"])
-                sources.append((p, f"{name}|buffer", None, None))
-                specs.append(TensorSpec(name, out_dtype if saved.is_floating_point else saved,
-                                        tuple(info["shape"])))
-                continue
-            src = manifest["aliases"].get(name, name)
-            if src not in manifest["params"]:
-                raise ValueError(f"{pieces[(p, 0)] / MANIFEST}: {name!r} is in state_dict but "
-                                 "not in params or buffers; the manifest is damaged")
-            shape = tuple(manifest["params"][src]["shape"])
-            layout = ShardLayout(**layouts[name]) if name in layouts else None
-            sources.append((p, src, shape, layout))
-            specs.append(TensorSpec(name, out_dtype, _full_shape(shape, layout, tp)))
-    return specs, sources
-
-
-def _full_shape(shape: tuple[int, ...], layout: ShardLayout | None, tp: int
-                ) -> tuple[int, ...]:
-    """The whole tensor's shape from one tp slice's (see ShardLayout)."""
-    if layout is None:
-        return shape
-    full = list(shape)
-    full[layout.dim] *= tp
-    return tuple(reversed(full)) if layout.transposed else tuple(full)
-
-
-def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
-                     save_filename: str = "model.safetensors") -> str | None:
-    """The full model in the compute dtype (fp32 when training in fp32) as safetensors under
-    the model's own names; collective (each ZeRO group is gathered in turn, tp slices are
-    all-gathered and put together). One rank per pipeline stage writes (tp rank 0, dp rank
-    0): with pp > 1 each stage is one shard ``{stem}-0000{p+1}-of-0000{P}.safetensors`` under
-    ``{save_filename}.index.json``. Returns the file (or index) on world rank 0, else None."""
-    check_filename(save_filename, "save_filename")
+def full_model_tensors(state: TrainingState, skip: frozenset[str] = frozenset()
+                       ) -> tuple[list[TensorSpec], Iterator[tuple[str, torch.Tensor]]]:
+    """The full model in the compute dtype under the model's own names (tied ones under
+    each name, buffers last): the specs, and a stream of ``(name, CPU tensor)`` that is a
+    collective (each ZeRO group is gathered in turn, tp slices all-gathered): every rank
+    must exhaust it. The parameters in ``skip`` (and their aliases) are left out, their
+    groups still gathered."""
     names = model_names(state)
     dtype = state.compute_dtype
     t = state.topology
@@ -205,7 +65,9 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
     specs = []
     for group in state.zero.groups:
         for slot in group.layout.slots:
-            shape = _full_shape(slot.shape, layouts.get(slot.name), t.tp_size)
+            if slot.name in skip:
+                continue
+            shape = full_shape(slot.shape, layouts.get(slot.name), t.tp_size)
             for name in [slot.name, *names.aliases_of(slot.name)]:
                 specs.append(TensorSpec(name, dtype, shape))
     out_dtype = {n: dtype if b.is_floating_point() else b.dtype for n, b in names.buffers.items()}
@@ -219,12 +81,51 @@ def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
                 if slot.name in layouts:  # collective over tp
                     value = gather_tp_tensor(value.to(state.device), layouts[slot.name],
                                              t.groups["tp"]).cpu()
+                if slot.name in skip:
+                    continue
+                value = value.to(dtype, copy=True)  # its own storage, not a view of flat
                 for name in [slot.name, *names.aliases_of(slot.name)]:
-                    yield name, value.to(dtype)
+                    yield name, value
         for name, buf in names.buffers.items():
-            yield name, buf.detach().to(out_dtype[name])
+            yield name, buf.detach().to("cpu", out_dtype[name], copy=True)
 
-    stream, save_dir = gathered(), Path(save_dir)
+    return specs, gathered()
+
+
+def consolidated_state_dict(state: TrainingState, skip: frozenset[str] = frozenset()
+                            ) -> dict[str, torch.Tensor]:
+    """``{name: full CPU tensor in the compute dtype}`` in ``model.state_dict()`` order on
+    world rank 0 (tied names share one tensor), ``{}`` on the others; collective. The
+    parameters in ``skip`` are left out. With pipeline parallelism each stage holds only its
+    own layers: save_16bit_model writes them, one file per stage."""
+    if state.topology.pp_size > 1:
+        raise ValueError("consolidated_16bit_state_dict needs the whole model on one rank; "
+                         "with pipeline_parallel.size > 1 use save_16bit_model (one file per "
+                         "stage) or consolidate a checkpoint")
+    order = model_names(state).order
+    first = state.topology.rank == 0
+    _, stream = full_model_tensors(state, skip)
+    values = {}
+    for name, value in stream:  # every rank takes part in every gather
+        if first:
+            values[name] = value
+    return {name: values[name] for name in order if name in values}
+
+
+def save_16bit_model(state: TrainingState, save_dir: str | os.PathLike,
+                     save_filename: str = "model.safetensors", *,
+                     skip: frozenset[str] = frozenset()) -> str | None:
+    """The full model in the compute dtype (fp32 when training in fp32) as safetensors under
+    the model's own names; collective (each ZeRO group is gathered in turn, tp slices are
+    all-gathered and put together). One rank per pipeline stage writes (tp rank 0, dp rank
+    0): with pp > 1 each stage is one shard ``{stem}-0000{p+1}-of-0000{P}.safetensors`` under
+    ``{save_filename}.index.json``. The parameters in ``skip`` are left out. Returns the
+    file (or index) on world rank 0, else None."""
+    check_filename(save_filename, "save_filename")
+    t = state.topology
+    specs, gathered = full_model_tensors(state, skip)
+
+    stream, save_dir = gathered, Path(save_dir)
     files = shard_file_names(save_filename, t.pp_size)
     written = list(files)
 
@@ -343,7 +244,7 @@ def _match_weights(state: TrainingState, names: ModelNames, reader: WeightsReade
             missing.append(name)
             continue
         source[name] = found[0]
-        shape = _full_shape(slot.shape, layouts.get(name), tp)
+        shape = full_shape(slot.shape, layouts.get(name), tp)
         if reader.shapes[found[0]] != shape:
             mismatched.append(f"{found[0]}: file {reader.shapes[found[0]]}, model {shape}")
     for name, buf in names.buffers.items():
