@@ -66,7 +66,7 @@ class CUDA_Accelerator:  # noqa: N801 (DeepSpeed's name)
 
     def device(self, device_index: int | None = None) -> Any:
         """DeepSpeed's `accelerator.device`: torch.device('cuda', i)."""
-        return torch.device("cuda", device_index)
+        return torch.device("cuda") if device_index is None else torch.device("cuda", device_index)
 
     def set_device(self, device_index: int) -> None:
         """DeepSpeed's `accelerator.set_device`: torch.cuda.set_device."""
