@@ -60,6 +60,8 @@ def test_deepspeed_signature_and_amsgrad():
     assert isinstance(opt, torch.optim.Optimizer)
     assert opt.defaults["bias_correction"] is False and opt.defaults["betas"] == (0.5, 0.6)
     assert CPUAdamPath is DeepSpeedCPUAdam
+    gen_groups = DeepSpeedCPUAdam([{"params": (q for q in p), "lr": 0.2}])  # read once
+    assert gen_groups.param_groups[0]["params"] == p and gen_groups.param_groups[0]["lr"] == 0.2
     for make in (FusedAdam, DeepSpeedCPUAdam, FusedLamb):
         with pytest.raises(ValueError, match="amsgrad"):
             make(p, amsgrad=True)

@@ -34,7 +34,7 @@ class _AdamMap(torch.optim.Adam):
             raise ValueError(f"{name}(amsgrad=True): DeepSpeed's kernel has no AMSGrad and "
                              "neither has this map; pass torch.optim.Adam(amsgrad=True) to "
                              "initialize instead")
-        params = list(params)
+        params = _listed(params)
         self._exact = not bias_correction or (adam_w_mode and not _TORCH_DECOUPLES)
         if self._exact:
             fused = foreach = None  # meshzero's arithmetic steps these
@@ -67,9 +67,20 @@ class _AdamMap(torch.optim.Adam):
         return p.dtype
 
 
+def _listed(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list, each group's ``params`` a list too (generators read once)."""
+    return [dict(p, params=list(p["params"])) if isinstance(p, dict) else p for p in params]
+
+
+def _tensors(params: list[Any]) -> list[torch.Tensor]:
+    """The tensors of ``params`` (tensors, ``(name, tensor)`` pairs or group dicts)."""
+    items = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return [t[1] if isinstance(t, tuple) else t for t in items]
+
+
 def _fusable(params: list[Any]) -> bool:
     """torch's fused Adam takes floating tensors on CPU or CUDA, all on one device type."""
-    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    tensors = _tensors(params)
     kinds = {t.device.type for t in tensors}
     return bool(tensors) and len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(
         t.is_floating_point() for t in tensors)
@@ -114,10 +125,9 @@ class DeepSpeedCPUAdam(_AdamMap):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False,
                  adamw_mode: bool = True, fp32_optimizer_states: bool = True, *,
                  fused: bool | None = None, foreach: bool | None = None) -> None:
-        params = list(model_params)
+        params = _listed(model_params)
         wants_fp32 = fp32_optimizer_states and not all(
-            t.dtype == torch.float32 for p in params
-            for t in (p["params"] if isinstance(p, dict) else [p]))
+            t.dtype == torch.float32 for t in _tensors(params))
         self._setup(params, lr, betas, eps, weight_decay, adamw_mode,
                     bias_correction, amsgrad, fused, foreach, "DeepSpeedCPUAdam")
         self._exact = self._exact or wants_fp32  # 16-bit parameters, fp32 m and v
