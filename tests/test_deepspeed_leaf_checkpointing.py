@@ -99,3 +99,13 @@ def test_megatron_rng_tracker():
         tracker.add("model-parallel-rng", 99)
     with pytest.raises(ValueError, match="not added"), tracker.fork("other"):
         pass
+
+
+def test_runtime_module_path_is_the_same_module():
+    """Megatron-DeepSpeed imports deepspeed.runtime.activation_checkpointing.checkpointing:
+    the same functions and settings as deepspeed.checkpointing."""
+    from meshzero.deepspeed.runtime.activation_checkpointing import checkpointing as path
+
+    path.configure(None, synchronize=True)
+    assert checkpointing.is_configured() and path.checkpoint is checkpointing.checkpoint
+    assert path.get_cuda_rng_tracker() is checkpointing.get_cuda_rng_tracker()

@@ -108,3 +108,22 @@ def test_bf16_optimizer_states_rebuilds_fused_adam():
     group = opt.param_groups[0]
     assert group["bias_correction"] is False and group["adam_w_mode"] is False
     assert group["lr"] == 0.1
+
+
+def test_adagrad_and_op_builders():
+    """DeepSpeedCPUAdagrad (ops/adagrad/cpu_adagrad.py) is torch's Adagrad update; the op
+    builders (op_builder/builder.py OpBuilder) build nothing: is_compatible() is False, load()
+    raises naming meshzero's way, and Megatron's OpBuilder.is_rocm_pytorch() answers."""
+    from meshzero.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from meshzero.deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+    from meshzero.deepspeed.ops.op_builder.builder import OpBuilder
+
+    kw = dict(lr=0.05, eps=1e-6, weight_decay=0.1)
+    torch.testing.assert_close(_run(lambda p: DeepSpeedCPUAdagrad(p, **kw)),
+                               _run(lambda p: torch.optim.Adagrad(p, **kw)))
+    with pytest.raises(ValueError, match="amsgrad"):
+        DeepSpeedCPUAdagrad([torch.nn.Parameter(torch.ones(2))], amsgrad=True)
+    assert OpBuilder.is_rocm_pytorch() is False or torch.version.hip is not None
+    assert not AsyncIOBuilder().is_compatible() and CPUAdamBuilder.NAME == "cpu_adam"
+    with pytest.raises(NotImplementedError, match="DeepSpeedCPUAdam"):
+        CPUAdamBuilder().load()

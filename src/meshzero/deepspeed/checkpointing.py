@@ -31,6 +31,10 @@ import torch.utils.checkpoint as torch_checkpoint
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure",
+           "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
+           "non_reentrant_checkpoint", "reset"]
+
 _MODEL_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's and Megatron's tracker name
 
 # DeepSpeed's config keys of its "activation_checkpointing" section -> configure()'s names
