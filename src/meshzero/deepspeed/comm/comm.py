@@ -49,11 +49,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """DeepSpeed's `deepspeed.init_distributed`: meshzero's (torchrun's env://, or a world of one).
 
     Already initialised (by the caller or an earlier call): nothing to do, as DeepSpeed.
-    ``init_method`` with ``rank``/``world_size``: torch's
-    ``init_process_group`` with them. MPI discovery is not done: launch with torchrun
-    (``auto_mpi_discovery`` only logs that); ``distributed_port`` becomes MASTER_PORT when
-    torchrun did not set one; ``config`` (a comms logger) is the config's ``comms_logger``,
-    which the engine honours.
+    ``init_method``, ``rank`` or ``world_size`` given: torch's ``init_process_group`` with
+    them (env:// by default), as DeepSpeed's TorchBackend. MPI discovery is not done: launch
+    with torchrun (``auto_mpi_discovery`` only logs that); ``distributed_port`` becomes
+    MASTER_PORT when torchrun did not set one; ``config`` (its comms logger) is the config's
+    ``comms_logger``, which the engine honours (one INFO line says so).
     """
     if dist.is_initialized():
         logger.debug("init_distributed: the process group is already initialised")
@@ -66,9 +66,12 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         logger.info("init_distributed: no torchrun environment (RANK unset): meshzero does "
                     "not discover MPI; a world of one process (launch with torchrun for more)")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    if init_method is not None:
+    if config is not None:
+        logger.info("init_distributed(config=...): the comms logger is the config's "
+                    "comms_logger section, which the engine built from it honours")
+    if init_method is not None or rank != -1 or world_size != -1:
         backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
         return
     _meshzero_init(dist_backend, timeout)
