@@ -67,6 +67,10 @@ def test_deepspeed_signature_and_amsgrad():
             make(p, amsgrad=True)
 
 
+def _train_all(rank: int, world: int) -> dict:
+    return {mode: _train(rank, world, mode) for mode in ("AdamW", "Adam", "cpu")}
+
+
 def _train(rank: int, world: int, mode: str) -> dict:
     model = build_model("mlp")
     kw = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
@@ -88,8 +92,8 @@ def test_initialize_with_fused_adam_trains_as_torch(tmp_path, world_size):
     """meshzero.initialize(optimizer=FusedAdam(...)) at stage 2 gives the parameters plain
     torch AdamW / Adam give on the whole batch (the rebuild keeps adam_w_mode, as DeepSpeed's
     engine keeps the user's optimizer's hyperparameters)."""
-    for mode in ("AdamW", "Adam", "cpu"):
-        got = run_distributed(_train, world_size, tmp_path, mode)[0]
+    trained = run_distributed(_train_all, world_size, tmp_path)[0]
+    for mode, got in trained.items():
         ref = reference_train(lambda: build_model("mlp"), make_batches("mlp", 3, 8),
                               optimizer="Adam" if mode == "Adam" else "AdamW", lr=1e-2,
                               eps=ADAM_EPS, weight_decay=0.01)
