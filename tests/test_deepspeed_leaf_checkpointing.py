@@ -6,6 +6,8 @@ manual_seed) over torch's RNG."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -52,7 +54,7 @@ def test_gradients_equal_no_checkpoint(settings, how):
         torch.testing.assert_close(got, want)
 
 
-def test_configure_names_what_it_does_not_implement(caplog):
+def test_configure_names_what_it_does_not_implement(caplog, tmp_path):
     """configure accepts DeepSpeed's arguments and its config section (configure,
     _configure_using_config_file); partition_activations and contiguous checkpointing are not
     implemented and each says so in one INFO line; is_configured turns True; an unknown
@@ -67,6 +69,11 @@ def test_configure_names_what_it_does_not_implement(caplog):
     assert len(lines) == 3 and "partition_activations" in lines[0]
     assert checkpointing.is_configured()
     checkpointing.reset()
+    path = tmp_path / "ds.json"  # Megatron-DeepSpeed's call: a JSON path and its arguments
+    path.write_text(json.dumps(config))
+    checkpointing.configure(_Mpu(), deepspeed_config=str(path), num_checkpoints=24,
+                            checkpoint_in_cpu=False)
+    checkpointing.set_num_layers(24)
     with pytest.raises(ValueError, match="cpu_checkpointing"):
         checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"x": 1}})
 
@@ -95,6 +102,11 @@ def test_megatron_rng_tracker():
     tracker.set_states(states)
     with tracker.fork():
         assert torch.equal(forked, torch.rand(3))  # the saved state replays
+    checkpointing.model_parallel_reconfigure_tp_seed(7)  # the tracker's state only
+    with tracker.fork():
+        reseeded = torch.rand(3)
+    torch.manual_seed(7 + 2718 + 1)
+    assert torch.equal(reseeded, torch.rand(3))
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("model-parallel-rng", 99)
     with pytest.raises(ValueError, match="not added"), tracker.fork("other"):

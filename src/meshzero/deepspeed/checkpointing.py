@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure",
            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-           "non_reentrant_checkpoint", "reset"]
+           "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
+           "partition_activations_in_checkpoint", "reset", "set_num_layers"]
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's and Megatron's tracker name
 
@@ -113,6 +114,18 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
     _SETTINGS.profile = bool(given.get("profile", False))
     if mpu_ is not None:
         _SETTINGS.mpu = mpu_
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """DeepSpeed's `deepspeed.checkpointing.partition_activations_in_checkpoint`: INFO line."""
+    if partition_activation:
+        logger.info("partition_activations_in_checkpoint(True): not implemented in meshzero, "
+                    "results are unchanged: %s", _NOT_IMPLEMENTED["partition_activations"])
+
+
+def set_num_layers(nlayers: int) -> None:
+    """DeepSpeed's `deepspeed.checkpointing.set_num_layers`: sizes nothing here (INFO line)."""
+    logger.info("set_num_layers(%d): %s", nlayers, _NOT_IMPLEMENTED["num_checkpoints"])
 
 
 def is_configured() -> bool:
@@ -269,3 +282,13 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     _TRACKER.reset()
     _manual_seed(seed)
     _TRACKER.add(_MODEL_PARALLEL_RNG, seed + 2718 + _tp_rank())
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """DeepSpeed's `deepspeed.checkpointing.model_parallel_reconfigure_tp_seed`: tracker reseed.
+
+    The tracker's model-parallel state becomes seed + 2718 + tp rank; torch's own RNG is
+    left as it was.
+    """
+    with _TRACKER.fork():
+        _manual_seed(seed + 2718 + _tp_rank())

@@ -9,10 +9,14 @@ from meshzero.deepspeed.checkpointing import (
     get_cuda_rng_tracker,
     is_configured,
     model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
     non_reentrant_checkpoint,
+    partition_activations_in_checkpoint,
     reset,
+    set_num_layers,
 )
 
 __all__ = ["CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure",
            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-           "non_reentrant_checkpoint", "reset"]
+           "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
+           "partition_activations_in_checkpoint", "reset", "set_num_layers"]
