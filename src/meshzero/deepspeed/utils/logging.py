@@ -1,6 +1,8 @@
 """DeepSpeed's ``deepspeed.utils.logging``: ``logger`` and ``log_dist`` over meshzero's logging
 (the ``meshzero.deepspeed`` logger, a child of ``meshzero``'s: its handler, its level,
-``MESHZERO_LOG_LEVEL``)."""
+``MESHZERO_LOG_LEVEL``). Levels follow meshzero's rule, not DeepSpeed's WARNING default:
+once an engine exists rank 0 logs INFO and the other ranks WARNING (``MESHZERO_LOG_ALL_RANKS=1``:
+every rank INFO), so ``log_dist(..., ranks=[1])`` at INFO shows on rank 1 with that set."""
 
 from __future__ import annotations
 
