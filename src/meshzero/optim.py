@@ -136,14 +136,16 @@ def _as_deepspeed_adam(opt: torch.optim.Optimizer, key: str,
                        state_dtype: torch.dtype) -> DeepSpeedAdam:
     """The caller's torch Adam or AdamW rebuilt as DeepSpeedAdam over the same groups and
     hyperparameters (nothing stepped yet: there is no state to carry)."""
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+    if not isinstance(opt, torch.optim.Adam) or any(
             g.get("amsgrad") for g in opt.param_groups):
         raise ValueError(f"{key} needs an Adam or AdamW optimizer (no amsgrad): meshzero keeps "
                          f"those in bf16 with its own Adam; got {type(opt).__name__}")
-    decoupled = type(opt) is torch.optim.AdamW
+    decoupled = isinstance(opt, torch.optim.AdamW)
+    # a subclass may carry DeepSpeed's switches in its groups (meshzero.deepspeed's FusedAdam)
     groups = [{"params": g["params"], "lr": float(g["lr"]), "betas": tuple(g["betas"]),
                "eps": g["eps"], "weight_decay": g["weight_decay"],
-               "adam_w_mode": decoupled or bool(g.get("decoupled_weight_decay"))}
+               "adam_w_mode": decoupled or bool(g.get("decoupled_weight_decay")),
+               "bias_correction": bool(g.get("bias_correction", True))}
               for g in opt.param_groups]
     return DeepSpeedAdam(groups, state_dtype=state_dtype)
 

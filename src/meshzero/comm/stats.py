@@ -4,6 +4,7 @@ raises, naming the op, the group and where in training it was."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,6 +120,16 @@ class OpStats:
                 "exposed_seconds": self.exposed_seconds}
 
 
+# every CommStats alive, weakly (an engine's lives as long as the engine): where collectives
+# the user issues outside the engine are counted (comm/user.py)
+_LIVE: weakref.WeakValueDictionary[int, CommStats] = weakref.WeakValueDictionary()
+
+
+def live_stats() -> list[CommStats]:
+    """The :class:`CommStats` alive now (every live engine's)."""
+    return list(_LIVE.values())
+
+
 @dataclass
 class CommStats:
     """Counts per (group name, op). Shared by every communicator of an engine."""
@@ -138,6 +149,13 @@ class CommStats:
     issued: dict[str, int] = field(default_factory=dict, repr=False)
     members: dict[str, list[int]] = field(default_factory=dict, repr=False)
     watch: Any = field(default=None, repr=False)
+    # collectives the user issued outside the engine (comm/user.py), by (step they were
+    # issued at, group, op): those issued between two steps are counted in the next one
+    user_carry: dict[tuple[int | None, str, str], OpStats] = field(default_factory=dict,
+                                                                   repr=False)
+
+    def __post_init__(self) -> None:
+        _LIVE[id(self)] = self  # weakly: user collectives count here while it lives
 
     def before_wait(self) -> None:
         """Before a rank blocks on a collective: settle the check posted ahead (``gate``),
@@ -180,13 +198,31 @@ class CommStats:
         finally:
             self.phase = before
 
-    def get(self, group: str, op: str, inter_node: bool = False) -> OpStats:
-        stats = self.ops.setdefault((group, op, self.phase), OpStats())
+    def get(self, group: str, op: str, inter_node: bool = False,
+            phase: str | None = None) -> OpStats:
+        stats = self.ops.setdefault((group, op, phase or self.phase), OpStats())
         stats.inter_node = inter_node
         return stats
 
     def reset(self) -> None:
+        """A new accounting window (the engine's step ``self.step``): forget the ops counted,
+        but keep the user's collectives issued since the last step closed (counted at this
+        step) or during initialize."""
         self.ops.clear()
+        kept = {key: s for key, s in self.user_carry.items() if key[0] in (None, self.step)}
+        self.user_carry = {}
+        for (_, group, op), s in kept.items():
+            self.count_user(group, op, s.bytes, s.exposed_seconds, count=s.count)
+
+    def count_user(self, group: str, op: str, nbytes: int, seconds: float = 0.0, *,
+                   count: int = 1) -> None:
+        """Count a collective the user issued outside the engine (meshzero.deepspeed.comm,
+        comm/user.py) under phase ``user``: ``nbytes`` this rank sent, ``seconds`` it blocked."""
+        for stats in (self.get(group, op, phase="user"),
+                      self.user_carry.setdefault((self.step, group, op), OpStats())):
+            stats.count += count
+            stats.bytes += nbytes
+            stats.exposed_seconds += seconds
 
     def counter(self, group: str, inter_node: bool = False) -> Counter:
         """``on_comm(op, nbytes)`` for collectives issued outside a Communicator (the tensor

@@ -9,7 +9,7 @@ it may build when torch's own cannot compute what the config asks:
              norms, summed over the fragments a parameter is cut into under ZeRO
 """
 
-from meshzero.optimizers.adam import DeepSpeedAdam
+from meshzero.optimizers.adam import DeepSpeedAdam, adam_step
 from meshzero.optimizers.lamb import FragmentNorms, Lamb
 
-__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb"]
+__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb", "adam_step"]

@@ -59,34 +59,41 @@ class DeepSpeedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        b1, b2 = group["betas"]
-        wd, lr, eps = group["weight_decay"], group["lr"], group["eps"]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-        state["step"] += 1
-        g = p.grad
-        assert g is not None  # step() takes only tensors with a gradient
-        # 16-bit states or parameters (bf16 masters): the arithmetic in fp32, each result
-        # rounded once into its tensor
-        m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
-        w, g = p.float(), g.float()
-        if wd != 0 and not group["adam_w_mode"]:
-            g = g.add(w, alpha=wd)
-        m.mul_(b1).add_(g, alpha=1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        if m.data_ptr() != state["exp_avg"].data_ptr():
-            state["exp_avg"].copy_(m)
-            state["exp_avg_sq"].copy_(v)
-        bc1, bc2 = 1.0, 1.0
-        if group["bias_correction"]:
-            t = float(state["step"])
-            bc1, bc2 = 1 - b1**t, 1 - b2**t
-        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-        if wd != 0 and group["adam_w_mode"]:
-            update.add_(w, alpha=wd)
-        w.add_(update, alpha=-lr)
-        if w.data_ptr() != p.data_ptr():
-            p.copy_(w)
+        adam_step(p, self.state[p], group, self.state_dtype)
+
+
+def adam_step(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+              state_dtype: torch.dtype = torch.float32) -> None:
+    """One DeepSpeed Adam step of ``p`` (module docstring) with its optimizer ``state`` (m
+    and v made in ``state_dtype`` on the first step) and its param ``group``'s ``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``adam_w_mode`` and ``bias_correction``."""
+    b1, b2 = group["betas"]
+    wd, lr, eps = group["weight_decay"], group["lr"], group["eps"]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
+    state["step"] += 1
+    g = p.grad
+    assert g is not None  # step() takes only tensors with a gradient
+    # 16-bit states or parameters (bf16 masters): the arithmetic in fp32, each result
+    # rounded once into its tensor
+    m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+    w, g = p.float(), g.float()
+    if wd != 0 and not group["adam_w_mode"]:
+        g = g.add(w, alpha=wd)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    if m.data_ptr() != state["exp_avg"].data_ptr():
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+    bc1, bc2 = 1.0, 1.0
+    if group["bias_correction"]:
+        t = float(state["step"])
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+    update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    if wd != 0 and group["adam_w_mode"]:
+        update.add_(w, alpha=wd)
+    w.add_(update, alpha=-lr)
+    if w.data_ptr() != p.data_ptr():
+        p.copy_(w)
