@@ -36,7 +36,9 @@ from meshzero.zero.sharded_params import (
     order_check_communicator,
 )
 from meshzero.zero.trainability import Trainability
-from meshzero.zero.units import Layout, build_layout
+from meshzero.zero.owners import register_owner
+from meshzero.zero.units import Layout, ParamSlot, build_layout
+from meshzero.zero.write_back import Target, broadcast_values, check_modifier_rank, write_values
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ class ZeroModelState:
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
+        self.replica_comm = replica_comm
+        # id(parameter) -> its flat group and slot (the lookup of gathered writes)
+        self._slots = {id(p): (g, s) for g in self.groups
+                       for s, p in zip(g.layout.slots, g.params, strict=True)}
+        register_owner(self, (p for g in self.groups for p in g.params))
 
     def _build_sharder(self, secondary_comm: Communicator | None,
                        ) -> tuple[PhaseCheck, ParameterSharder | None]:
@@ -288,21 +295,49 @@ class ZeroModelState:
         return self.sharder.saved_tensor_hooks()
 
     @contextmanager
-    def gathered(self, params: Iterable[torch.Tensor]):
-        """Stage 3: the full values of ``params`` inside the block (a collective: enter it
-        on every rank). Units gathered for it are released on exit, unless autograd may still
-        read them (grad mode on): then at the end of the next backward or step."""
-        if self.sharder is None:
-            yield
-            return
-        fresh = self.sharder.gather_for(list(params))
+    def gathered(self, params: Iterable[torch.Tensor], modifier_rank: int | None = None):
+        """The full values of ``params`` inside the block (a collective: enter it on every
+        rank). Stage 3 gathers their units; at stages 0-2 they are full already. Units
+        gathered for it are released on exit, unless autograd may still read them (grad
+        mode on): then at the end of the next backward or step.
+
+        ``modifier_rank``: the data-parallel rank whose writes into these parameters are
+        kept: on a clean exit its values (same shapes) reach every rank's master, shard and
+        compute parameters (zero/write_back.py). None: read-only, a write is lost."""
+        params = list(dict.fromkeys(params))  # tensors hash by identity
+        if modifier_rank is not None:
+            check_modifier_rank(modifier_rank, self.comm.size * (
+                self.replica_comm.size if self.replica_comm is not None else 1))
+        fresh = [] if self.sharder is None else self.sharder.gather_for(params)
         try:
             yield
+            if modifier_rank is not None:
+                self.write_gathered(params, modifier_rank)
         finally:
-            if not torch.is_grad_enabled():
+            if self.sharder is not None and not torch.is_grad_enabled():
                 for u in fresh:
                     self.sharder.sticky.discard(u)
                     self.sharder.release_parameters(u)
+
+    def slot_of(self, param: torch.Tensor) -> tuple[FlatGroup, ParamSlot] | None:
+        """The flat group and slot of ``param``, or None if this state does not hold it."""
+        return self._slots.get(id(param))
+
+    def write_gathered(self, params: Iterable[torch.Tensor], modifier_rank: int) -> None:
+        """Collective: rank ``modifier_rank``'s values of the full ``params`` (gathered at
+        stage 3) into every rank's master, shard and compute parameters."""
+        targets = []
+        for p in params:
+            found = self.slot_of(p)
+            if found is None:
+                raise ValueError(f"gathered(modifier_rank={modifier_rank}): a parameter of "
+                                 f"shape {tuple(p.shape)} is not held by this engine")
+            targets.append(Target(p, found[1], found[0]))
+        targets.sort(key=lambda t: (t.slot.unit, t.slot.group, t.slot.offset))
+        with self.materialized(write_back=True):
+            values = broadcast_values(targets, comm=self.comm, replica_comm=self.replica_comm,
+                                      modifier_rank=modifier_rank, device=self.device)
+            write_values(targets, values)
 
     def after_step(self) -> None:
         """Stage 3: units still gathered (used after backward) hold the old values: free them."""
