@@ -97,4 +97,4 @@ def _resize_inside(rank, world_size):
 
 def test_shape_change_raises_on_every_rank(tmp_path):
     for message in run_distributed(_resize_inside, 2, tmp_path):
-        assert "blocks.0.fc1.bias" in message and "not shapes" in message
+        assert "blocks.0.fc1.bias" in message and "not shapes" in message, message

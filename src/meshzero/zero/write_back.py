@@ -58,19 +58,23 @@ def check_modifier_rank(modifier_rank: int, size: int) -> None:
                          f"an int in [0, {size}), or None (read-only)")
 
 
+def _shape_error(target: Target, modifier_rank: int) -> str:
+    return (f"parameter {target.slot.name!r} (shape {target.slot.shape}) changed shape on "
+            f"the modifier rank {modifier_rank} inside the gathered block: a gathered write "
+            "may change values, not shapes (resize the model before meshzero.initialize, "
+            "e.g. inside meshzero.zero_init)")
+
+
 def _modifier_values(targets: Sequence[Target], device: torch.device
-                     ) -> tuple[torch.Tensor, str | None]:
-    """The modifier's values, fp32 and flat in target order, or a shape error."""
-    for t in targets:
+                     ) -> tuple[torch.Tensor | None, int]:
+    """The modifier's values, fp32 and flat in target order; or the index of a target
+    whose shape changed (-1: none)."""
+    for i, t in enumerate(targets):
         if tuple(t.param.shape) != t.slot.shape:
-            return torch.empty(0), (
-                f"parameter {t.slot.name!r} has shape {tuple(t.param.shape)} after the "
-                f"block, but {t.slot.shape} when the engine was built: a gathered write "
-                "may change values, not shapes (resize the model before "
-                "meshzero.initialize, e.g. inside meshzero.zero_init)")
+            return None, i
     with torch.no_grad():
         parts = [t.param.detach().reshape(-1).to(device, torch.float32) for t in targets]
-    return torch.cat(parts) if parts else torch.empty(0, device=device), None
+    return torch.cat(parts) if parts else torch.empty(0, device=device), -1
 
 
 def broadcast_values(targets: Sequence[Target], *, comm: Communicator,
@@ -84,21 +88,19 @@ def broadcast_values(targets: Sequence[Target], *, comm: Communicator,
     check_modifier_rank(modifier_rank, size)
     shard_src, replica_src = modifier_rank % comm.size, modifier_rank // comm.size
     mine = comm.rank == shard_src and (replica_comm is None or replica_comm.rank == replica_src)
-    values, error = _modifier_values(targets, device) if mine else (None, None)
-    status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    for c, src in ((comm, shard_src), (replica_comm, replica_src)):
-        if c is not None and c.size > 1:
-            c.broadcast(status, global_rank(c, src)).wait()
-    if int(status.item()):
-        raise ValueError(error or f"gathered(modifier_rank={modifier_rank}): the modifier "
-                         "rank changed a parameter's shape inside the block (its error "
-                         "names it); a gathered write may change values, not shapes")
+    values, bad = _modifier_values(targets, device) if mine else (None, -1)
+    status = torch.tensor([bad], dtype=torch.int64, device=device)
+    hops = [(c, src) for c, src in ((comm, shard_src), (replica_comm, replica_src))
+            if c is not None and c.size > 1]
+    for c, src in hops:
+        c.broadcast(status, global_rank(c, src)).wait()
+    if int(status.item()) >= 0:
+        raise ValueError(_shape_error(targets[int(status.item())], modifier_rank))
     if values is None:
         values = torch.empty(sum(t.slot.numel for t in targets), dtype=torch.float32,
                              device=device)
-    for c, src in ((comm, shard_src), (replica_comm, replica_src)):
-        if c is not None and c.size > 1:
-            c.broadcast(values, global_rank(c, src)).wait()
+    for c, src in hops:
+        c.broadcast(values, global_rank(c, src)).wait()
     return values
 
 
