@@ -130,6 +130,8 @@ def _write_one(t: Target, value: torch.Tensor) -> None:
             group.full[slot.offset:slot.offset + slot.numel].copy_(value)
     else:  # resident on every rank: the whole slot, no all-gather needed
         group.full[slot.offset:slot.offset + slot.numel].copy_(value)
+    if group.sharded and not group.is_full_allocated():
+        return  # released (a write outside a gathered block): p.data is its view already
     view = group.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
     param = t.param
     if param.data.data_ptr() != view.data_ptr() or param.data.dtype != view.dtype:
