@@ -61,8 +61,8 @@ def _make_real(module: nn.Module, record: ConstructionRecord
     with torch.no_grad(), ReplayDraws(targets):
         if record.init_fn is not None:
             record.init_fn(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
         elif made:
             raise ValueError(
                 f"a gathered block needs {type(module).__name__}'s parameters before "
@@ -71,7 +71,7 @@ def _make_real(module: nn.Module, record: ConstructionRecord
     for kind, _, meta, real in made:
         if kind == "_parameters":
             for holder, hname, _ in holders_of(meta):
-                holder._parameters[hname] = real
+                holder._parameters[hname] = real  # type: ignore[assignment]  # a Parameter
     return [(meta, real) for _, _, meta, real in made]
 
 
@@ -79,7 +79,7 @@ def _put_back(made: list[tuple[torch.Tensor, torch.Tensor]],
               modules: list[nn.Module]) -> None:
     for meta, real in made:
         for holder, name, _ in holders_of(real):
-            holder._parameters[name] = meta
+            holder._parameters[name] = meta  # type: ignore[assignment]  # a Parameter
         for module in modules:
             for name, b in module._buffers.items():
                 if b is real:

@@ -230,7 +230,7 @@ class Materializer:
                 getattr(holder, hkind)[hname] = final
         return [meta for _, _, meta, _ in created]
 
-    def _shield_early(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def _shield_early(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """Parameters of ``module`` a gathered write made real before initialize (zero/
         early.py; a tie to another module's) are swapped for scratch copies while its init
         runs, so the written values stay; returns them by name to put back."""

@@ -141,7 +141,18 @@ class ParameterSharder:
         self._unit_of_storage: dict[int, int] = {}  # data_ptr of a gathered full -> unit
         self._unit_of_param = {id(p): u for u, gs in enumerate(self.units)
                                for g in gs for p in g.params}
-        # id(param) -> (its position, its group, its slot): what its ds_* attributes read
+        self._mark_params()
+        self._handles = []
+        for u, module in enumerate(modules):
+            if self.numel[u] == 0:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(u)))
+
+    def _mark_params(self) -> None:
+        """Every sharded parameter becomes a ShardedParameter (zero/param_access.py) whose
+        uses gather its unit and whose ds_* attributes read :meth:`describe`."""
+        # id(param) -> (its position, its group, its slot)
         self._place = {id(p): (i, g, s) for i, (g, s, p) in enumerate(
             (g, s, p) for gs in self.units for g in gs
             for s, p in zip(g.layout.slots, g.params, strict=True))}
@@ -150,12 +161,6 @@ class ParameterSharder:
             for g in gs:
                 for p in g.params:
                     mark_sharded(p, self._use_parameter, self.describe)
-        self._handles = []
-        for u, module in enumerate(modules):
-            if self.numel[u] == 0:
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(u)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(u)))
 
     # -- gather / release -------------------------------------------------------------------
     def gather_parameters(self, unit: int) -> None:

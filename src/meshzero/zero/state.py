@@ -28,6 +28,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
     make_tier,
 )
 from meshzero.zero.offload.transfer import StepTransfers
+from meshzero.zero.owners import register_owner
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 from meshzero.zero.sharded_params import (
@@ -36,7 +37,6 @@ from meshzero.zero.sharded_params import (
     order_check_communicator,
 )
 from meshzero.zero.trainability import Trainability
-from meshzero.zero.owners import register_owner
 from meshzero.zero.units import Layout, ParamSlot, build_layout
 from meshzero.zero.write_back import Target, broadcast_values, check_modifier_rank, write_values
 
