@@ -35,8 +35,10 @@ def _owner(param: torch.Tensor, name: str) -> ZeroModelState:
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_full_fp32_param`: the whole fp32 master of a
-    parameter (collective); None for a frozen or engine-less one."""
+    """DeepSpeed's `deepspeed.utils.safe_get_full_fp32_param`: a parameter's fp32 master.
+
+    The whole fp32 master of a parameter (collective); None for a frozen or engine-less
+    one."""
     state = owner_of(param)
     if state is None:
         return None
@@ -45,8 +47,10 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_full_fp32_param`: write a parameter's whole fp32
-    value (the same on every rank) into this rank's master fragment and compute params."""
+    """DeepSpeed's `deepspeed.utils.safe_set_full_fp32_param`: write its fp32 value.
+
+    Write a parameter's whole fp32 value (the same on every rank) into this rank's master
+    fragment and compute params."""
     state = _owner(param, "safe_set_full_fp32_param")
     with state.materialized(True):
         param_values.set_full_value(state, param, value)
@@ -54,8 +58,10 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str
                                   ) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_full_optimizer_state`: the whole fp32 optimizer
-    state ``optim_state_key`` of a parameter (collective); None if frozen or engine-less."""
+    """DeepSpeed's `deepspeed.utils.safe_get_full_optimizer_state`: one state, whole.
+
+    The whole fp32 optimizer state ``optim_state_key`` of a parameter (collective); None if
+    frozen or engine-less."""
     state = owner_of(param)
     if state is None:
         return None
@@ -65,16 +71,20 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                   optim_state_key: str) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_full_optimizer_state`: write a parameter's whole
-    optimizer state ``optim_state_key`` (the same on every rank) into this rank's fragment."""
+    """DeepSpeed's `deepspeed.utils.safe_set_full_optimizer_state`: write one state.
+
+    Write a parameter's whole optimizer state ``optim_state_key`` (the same on every rank)
+    into this rank's fragment."""
     state = _owner(param, "safe_set_full_optimizer_state")
     with state.materialized(True):
         param_values.set_full_value(state, param, value, optim_state_key)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_full_grad`: the whole fp32 gradient of a
-    parameter, averaged as the step uses it (collective; after backward, before step)."""
+    """DeepSpeed's `deepspeed.utils.safe_get_full_grad`: a parameter's fp32 gradient.
+
+    The whole fp32 gradient of a parameter, averaged as the step uses it (collective; after
+    backward, before step)."""
     state = owner_of(param)
     if state is None:
         return param.grad
@@ -82,31 +92,37 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_local_fp32_param`: this rank's fragment of a
-    parameter's fp32 master (1-D; not collective)."""
+    """DeepSpeed's `deepspeed.utils.safe_get_local_fp32_param`: this rank's fp32 part.
+
+    This rank's fragment of a parameter's fp32 master (1-D; not collective)."""
     state = _owner(param, "safe_get_local_fp32_param")
     with state.materialized():
         return param_values.local_value(state, param)
 
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_local_fp32_param`: write this rank's fragment of
-    a parameter's fp32 master (compute params follow at the next step)."""
+    """DeepSpeed's `deepspeed.utils.safe_set_local_fp32_param`: write this rank's part.
+
+    Write this rank's fragment of a parameter's fp32 master (compute params follow at the
+    next step)."""
     state = _owner(param, "safe_set_local_fp32_param")
     with state.materialized(True):
         param_values.set_local_value(state, param, value)
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_local_grad`: this rank's fragment of a
-    parameter's fp32 gradient (1-D; after backward, before step)."""
+    """DeepSpeed's `deepspeed.utils.safe_get_local_grad`: this rank's part of the gradient.
+
+    This rank's fragment of a parameter's fp32 gradient (1-D; after backward, before step)."""
     return param_values.local_grad(_owner(param, "safe_get_local_grad"), param)
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str
                                    ) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_local_optimizer_state`: this rank's fragment of
-    a parameter's optimizer state ``optim_state_key`` (1-D; not collective)."""
+    """DeepSpeed's `deepspeed.utils.safe_get_local_optimizer_state`: this rank's part.
+
+    This rank's fragment of a parameter's optimizer state ``optim_state_key`` (1-D; not
+    collective)."""
     state = _owner(param, "safe_get_local_optimizer_state")
     with state.materialized():
         return param_values.local_value(state, param, optim_state_key)
@@ -114,8 +130,9 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                    optim_state_key: str) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_local_optimizer_state`: write this rank's
-    fragment of a parameter's optimizer state ``optim_state_key``."""
+    """DeepSpeed's `deepspeed.utils.safe_set_local_optimizer_state`: write it.
+
+    Write this rank's fragment of a parameter's optimizer state ``optim_state_key``."""
     state = _owner(param, "safe_set_local_optimizer_state")
     with state.materialized(True):
         param_values.set_local_value(state, param, value, optim_state_key)

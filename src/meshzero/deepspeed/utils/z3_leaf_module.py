@@ -41,25 +41,30 @@ def _mark(model: nn.Module, classes: list[type | str], whole: bool,
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[type | str],
                         raise_if_not_found: bool = True) -> list[nn.Module]:
-    """DeepSpeed's `deepspeed.utils.set_z3_leaf_modules`: mark every module of these classes
-    as one meshzero unit gathered whole (before initialize); returns them."""
+    """DeepSpeed's `deepspeed.utils.set_z3_leaf_modules`: mark modules as whole units.
+
+    Mark every module of these classes as one meshzero unit gathered whole (before
+    initialize); returns them."""
     return _mark(model, leaf_module_classes, True, raise_if_not_found)
 
 
 def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[type | str],
                           raise_if_not_found: bool = True) -> list[nn.Module]:
-    """DeepSpeed's `deepspeed.utils.unset_z3_leaf_modules`: remove the whole-unit mark from
-    every module of these classes; returns them."""
+    """DeepSpeed's `deepspeed.utils.unset_z3_leaf_modules`: remove whole-unit marks.
+
+    Remove the whole-unit mark from every module of these classes; returns them."""
     return _mark(model, leaf_module_classes, False, raise_if_not_found)
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
-    """DeepSpeed's `deepspeed.utils.get_z3_leaf_modules`: the modules of ``model`` marked
-    as whole units."""
+    """DeepSpeed's `deepspeed.utils.get_z3_leaf_modules`: the modules marked whole.
+
+    The modules of ``model`` marked as whole units."""
     return [m for m in model.modules() if is_whole_unit(m)]
 
 
 def z3_leaf_module(model: nn.Module) -> bool:
-    """DeepSpeed's `deepspeed.utils.z3_leaf_module`: whether a module is marked as a whole
-    unit."""
+    """DeepSpeed's `deepspeed.utils.z3_leaf_module`: whether a module is marked whole.
+
+    Whether a module is marked as a whole unit."""
     return is_whole_unit(model)

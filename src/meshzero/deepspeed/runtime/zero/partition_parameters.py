@@ -27,8 +27,9 @@ def _refuse(name: str, value: Any, default: Any, how: str) -> None:
 
 
 class Init:
-    """DeepSpeed's `deepspeed.zero.Init`: `meshzero.zero_init`, parameters on the meta device
-    until initialize shards them.
+    """DeepSpeed's `deepspeed.zero.Init`: `meshzero.zero_init` (meta parameters until initialize).
+
+    Parameters are built on the meta device; initialize materialises and shards them.
 
     Keywords, each honoured or refused in one line:
     ``config_dict_or_path`` / ``config`` (an alias): the ds_config, validated, its seed set;
@@ -43,8 +44,7 @@ class Init:
     ``zero_quantized_nontrainable_weights``: refused (ZeRO++ quantized weights are not
     implemented); ``sequence_data_parallel_group``: refused (the config's sequence
     parallel section builds that group); ``param_swapper``: refused (use
-    ``offload_param.device: nvme``).
-    """
+    ``offload_param.device: nvme``)."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: str | None = None,
@@ -114,16 +114,17 @@ def _as_list(params: Any) -> list[torch.Tensor]:
 
 
 class GatheredParameters:
-    """DeepSpeed's `deepspeed.zero.GatheredParameters`: meshzero's gathered parameters; a
-    `modifier_rank`'s writes reach every rank's shard, fp32 master and optimizer.
+    """DeepSpeed's `deepspeed.zero.GatheredParameters`: meshzero's gathered parameters.
+
+    A `modifier_rank`'s writes reach every rank's shard, fp32 master and optimizer
+    (``meshzero.zero.gathered.gathered_parameters``).
 
     ``params``: one parameter or an iterable (a generator too); held by an engine, built
     under ``zero_init`` (made real on the spot, kept with ``modifier_rank``) or plain.
     ``modifier_rank``: the data-parallel rank whose writes are kept (at every stage, not
     only 3; shapes cannot change); None: read-only. ``fwd_module``: accepted; meshzero
     gathers any parameter wherever it is used, so registering it as an external parameter
-    changes nothing. ``enabled=False``: a no-op. A collective: enter it on every rank.
-    """
+    changes nothing. ``enabled=False``: a no-op. A collective: enter it on every rank."""
 
     def __init__(self, params: Any, modifier_rank: int | None = None,
                  fwd_module: nn.Module | None = None, enabled: bool = True):
@@ -146,8 +147,10 @@ class GatheredParameters:
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """DeepSpeed's `deepspeed.zero.register_external_parameter`: accepted; meshzero gathers
-    a parameter wherever it is used, so nothing needs registering."""
+    """DeepSpeed's `deepspeed.zero.register_external_parameter`: accepted, nothing to do.
+
+    Accepted; meshzero gathers a parameter wherever it is used, so nothing needs
+    registering."""
     if not isinstance(module, nn.Module) or not isinstance(parameter, torch.Tensor):
         raise ValueError(f"register_external_parameter(module, parameter) needs an "
                          f"nn.Module and a parameter, got {type(module).__name__} and "
@@ -155,6 +158,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """DeepSpeed's `deepspeed.zero.unregister_external_parameter`: accepted; nothing was
-    registered (meshzero gathers a parameter wherever it is used)."""
+    """DeepSpeed's `deepspeed.zero.unregister_external_parameter`: accepted, a no-op.
+
+    Accepted; nothing was registered (meshzero gathers a parameter wherever it is used)."""
     register_external_parameter(module, parameter)
