@@ -51,7 +51,10 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | N
 
 
 class ZeroParamStatus(enum.Enum):
-    """Whether a stage-3 parameter's full values are present (DeepSpeed's values)."""
+    """DeepSpeed's `deepspeed.runtime.zero.partition_parameters.ZeroParamStatus`: ds_status.
+
+    Whether a stage-3 parameter's full values are present, with DeepSpeed's values: core
+    meshzero defines it because its ``ShardedParameter.ds_status`` answers with it."""
 
     AVAILABLE = 1  # gathered: the full values are in memory
     NOT_AVAILABLE = 2  # released: only this rank's shard is

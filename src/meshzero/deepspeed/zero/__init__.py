@@ -8,7 +8,7 @@ from meshzero.deepspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from meshzero.deepspeed.zero import partition_parameters
+from meshzero.deepspeed.zero import partition_parameters  # noqa: F401  (DeepSpeed's path)
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "partition_parameters",
-           "register_external_parameter", "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]
