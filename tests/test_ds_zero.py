@@ -216,3 +216,24 @@ def test_init_keywords_are_honoured_or_refused():
     with deepspeed.zero.GatheredParameters(p, enabled=False, fwd_module=nn.Linear(2, 2)):
         p.data.fill_(3.0)  # not held by an engine, one process: kept as written
     assert p.data.tolist() == [3.0, 3.0]
+
+
+def _dropped_engine_frees(rank, world_size):
+    import gc
+    import weakref
+
+    from meshzero.zero.owners import owner_of
+
+    engine, *_ = meshzero.initialize(model=build_model("mlp"),
+                                     config=zero_config(3, global_batch=8))
+    p = engine.module.blocks[0].fc1.weight
+    assert owner_of(p) is engine.zero and hasattr(p, "ds_id")
+    state = weakref.ref(engine.zero)
+    del engine
+    gc.collect()
+    return state() is None, owner_of(p) is None, hasattr(p, "ds_id")
+
+
+def test_the_owner_registry_holds_nothing_alive(tmp_path):
+    """A parameter kept after its engine is dropped holds no state: the registry is weak."""
+    assert run_distributed(_dropped_engine_frees, 1, tmp_path) == [(True, True, False)]

@@ -45,10 +45,10 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return written, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(rank, world_size, stage, modifier_rank, dtype=None):
+def _train(rank, world_size, stage, modifier_rank, mics=None):
     cfg = zero_config(stage, global_batch=8)
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if mics is not None:
+        cfg["zero_optimization"]["mics_shard_size"] = mics
     engine, *_ = meshzero.initialize(model=build_model("mlp"), config=cfg)
     model = engine.module
     batches = make_batches("mlp", STEPS_BEFORE + STEPS_AFTER, 8)
@@ -77,6 +77,17 @@ def test_modifier_rank_write_trains_as_plain_torch(tmp_path, world_size, stage):
     ref_written, ref = _reference()
     for written, final in results:
         for name, want in ref_written.items():  # full_state_dict: every rank, every name
+            torch.testing.assert_close(written[name], want, rtol=1e-5, atol=1e-6)
+        for name, want in ref.items():
+            torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_mics_write_reaches_every_replica(tmp_path):
+    """MiCS (shards over blocks of 2 of 4 ranks): data-parallel rank 3 is rank 1 of the
+    second block; its write reaches both blocks."""
+    ref_written, ref = _reference()
+    for written, final in run_distributed(_train, 4, tmp_path, 3, 3, mics=2):
+        for name, want in ref_written.items():
             torch.testing.assert_close(written[name], want, rtol=1e-5, atol=1e-6)
         for name, want in ref.items():
             torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-6)
