@@ -207,6 +207,10 @@ def test_init_keywords_are_honoured_or_refused():
     with pytest.raises(ValueError, match="compute dtype"):
         deepspeed.zero.Init(config={"train_batch_size": 1, "bf16": {"enabled": True}},
                             dtype=torch.float16)
+    # Hugging Face passes its config before "auto" is resolved: the engine's config decides
+    deepspeed.zero.Init(config_dict_or_path={"train_batch_size": "auto",
+                                             "bf16": {"enabled": "auto"}},
+                        dtype=torch.bfloat16)
     with deepspeed.zero.Init(mpu=object(), remote_device="cpu", pin_memory=True,
                              mem_efficient_linear=False, enabled=True):
         assert nn.Linear(2, 2).weight.is_meta

@@ -38,9 +38,10 @@ class Init:
     engine shards over the data-parallel group of its mesh at initialize;
     ``mem_efficient_linear``: accepted, meshzero never replaces ``F.linear`` (either value
     computes the same); ``remote_device`` / ``pin_memory``: accepted, nothing is allocated
-    before initialize (placement comes from ``offload_param``); ``dtype``: must match the
-    config's compute dtype (the engine casts); ``zero_param_parallel_group``: refused (use
-    ``zero_optimization.zero_hpz_partition_size``); ``zero_quantized_weights`` /
+    before initialize (placement comes from ``offload_param``); ``dtype``: must match a
+    half-precision compute dtype the config sets (the engine casts to the config's);
+    ``zero_param_parallel_group``: refused (use ``zero_optimization.zero_hpz_partition_size``);
+    ``zero_quantized_weights`` /
     ``zero_quantized_nontrainable_weights``: refused (ZeRO++ quantized weights are not
     implemented); ``sequence_data_parallel_group``: refused (the config's sequence
     parallel section builds that group); ``param_swapper``: refused (use
@@ -99,7 +100,10 @@ def _check_dtype(dtype: torch.dtype | None, config: Any) -> None:
     from meshzero.config import load_config
 
     want = load_config(config).compute_dtype
-    if want != dtype:
+    if want == torch.float32 and dtype != torch.float32:  # unset or "auto" in the config
+        logger.info("deepspeed.zero.Init(dtype=%s): parameters are built in fp32 and cast "
+                    "at initialize to the compute dtype the engine's config gives", dtype)
+    elif want != dtype:
         raise ValueError(f"deepspeed.zero.Init(dtype={dtype}) differs from the config's "
                          f"compute dtype {want}: meshzero casts to the config's (set "
                          "bf16/fp16 there, or drop dtype=)")
