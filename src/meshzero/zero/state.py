@@ -305,14 +305,16 @@ class ZeroModelState:
         kept: on a clean exit its values (same shapes) reach every rank's master, shard and
         compute parameters (zero/write_back.py). None: read-only, a write is lost."""
         params = list(dict.fromkeys(params))  # tensors hash by identity
-        if modifier_rank is not None:
-            check_modifier_rank(modifier_rank, self.comm.size * (
-                self.replica_comm.size if self.replica_comm is not None else 1))
+        targets = None if modifier_rank is None else self._write_targets(params, modifier_rank)
         fresh = [] if self.sharder is None else self.sharder.gather_for(params)
         try:
             yield
-            if modifier_rank is not None:
-                self.write_gathered(params, modifier_rank)
+            if targets is not None and modifier_rank is not None:
+                with self.materialized(write_back=True):
+                    values = broadcast_values(
+                        targets, comm=self.comm, replica_comm=self.replica_comm,
+                        modifier_rank=modifier_rank, device=self.device)
+                    write_values(targets, values)
         finally:
             if self.sharder is not None and not torch.is_grad_enabled():
                 for u in fresh:
@@ -323,9 +325,11 @@ class ZeroModelState:
         """The flat group and slot of ``param``, or None if this state does not hold it."""
         return self._slots.get(id(param))
 
-    def write_gathered(self, params: Iterable[torch.Tensor], modifier_rank: int) -> None:
-        """Collective: rank ``modifier_rank``'s values of the full ``params`` (gathered at
-        stage 3) into every rank's master, shard and compute parameters."""
+    def _write_targets(self, params: list[torch.Tensor], modifier_rank: int) -> list[Target]:
+        """What a gathered block with ``modifier_rank`` writes back, in slot order (the same
+        on every rank); checked before the block runs."""
+        check_modifier_rank(modifier_rank, self.comm.size * (
+            self.replica_comm.size if self.replica_comm is not None else 1))
         targets = []
         for p in params:
             found = self.slot_of(p)
@@ -333,11 +337,7 @@ class ZeroModelState:
                 raise ValueError(f"gathered(modifier_rank={modifier_rank}): a parameter of "
                                  f"shape {tuple(p.shape)} is not held by this engine")
             targets.append(Target(p, found[1], found[0]))
-        targets.sort(key=lambda t: (t.slot.unit, t.slot.group, t.slot.offset))
-        with self.materialized(write_back=True):
-            values = broadcast_values(targets, comm=self.comm, replica_comm=self.replica_comm,
-                                      modifier_rank=modifier_rank, device=self.device)
-            write_values(targets, values)
+        return sorted(targets, key=lambda t: (t.slot.unit, t.slot.group, t.slot.offset))
 
     def after_step(self) -> None:
         """Stage 3: units still gathered (used after backward) hold the old values: free them."""
