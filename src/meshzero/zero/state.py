@@ -92,6 +92,11 @@ class ZeroModelState:
                               grad_dtype=options.grad_dtype, master_dtype=options.master_dtype)
         self.units: list[list[FlatGroup]] = self._build_units(materialize)
         self.groups = [g for gs in self.units for g in gs]
+        self.replica_comm = replica_comm  # MiCS: gathered writes cross the replicas too
+        # id(parameter) -> its flat group and slot (the lookup of gathered writes)
+        self._slots = {id(p): (g, s) for g in self.groups
+                       for s, p in zip(g.layout.slots, g.params, strict=True)}
+        register_owner(self, (p for g in self.groups for p in g.params))
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
         self.memory = GatheredMemory(resident)
         self.optim_state = ShardedOptimizerState(
@@ -112,11 +117,6 @@ class ZeroModelState:
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
-        self.replica_comm = replica_comm
-        # id(parameter) -> its flat group and slot (the lookup of gathered writes)
-        self._slots = {id(p): (g, s) for g in self.groups
-                       for s, p in zip(g.layout.slots, g.params, strict=True)}
-        register_owner(self, (p for g in self.groups for p in g.params))
 
     def _build_sharder(self, secondary_comm: Communicator | None,
                        ) -> tuple[PhaseCheck, ParameterSharder | None]:
