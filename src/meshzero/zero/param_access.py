@@ -51,7 +51,7 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | N
 
 
 class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's `deepspeed.runtime.zero.partition_parameters.ZeroParamStatus`: ds_status.
+    """DeepSpeed's `deepspeed.runtime.zero.partition_parameters.ZeroParamStatus`: ds_status values.
 
     Whether a stage-3 parameter's full values are present, with DeepSpeed's values: core
     meshzero defines it because its ``ShardedParameter.ds_status`` answers with it."""

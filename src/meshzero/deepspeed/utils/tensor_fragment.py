@@ -35,7 +35,7 @@ def _owner(param: torch.Tensor, name: str) -> ZeroModelState:
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_full_fp32_param`: a parameter's fp32 master.
+    """DeepSpeed's `deepspeed.utils.safe_get_full_fp32_param`: a whole fp32 master.
 
     The whole fp32 master of a parameter (collective); None for a frozen or engine-less
     one."""
@@ -58,7 +58,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str
                                   ) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_full_optimizer_state`: one state, whole.
+    """DeepSpeed's `deepspeed.utils.safe_get_full_optimizer_state`: a whole optimizer state.
 
     The whole fp32 optimizer state ``optim_state_key`` of a parameter (collective); None if
     frozen or engine-less."""
@@ -71,7 +71,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                   optim_state_key: str) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_full_optimizer_state`: write one state.
+    """DeepSpeed's `deepspeed.utils.safe_set_full_optimizer_state`: write a whole state.
 
     Write a parameter's whole optimizer state ``optim_state_key`` (the same on every rank)
     into this rank's fragment."""
@@ -119,7 +119,7 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str
                                    ) -> torch.Tensor | None:
-    """DeepSpeed's `deepspeed.utils.safe_get_local_optimizer_state`: this rank's part.
+    """DeepSpeed's `deepspeed.utils.safe_get_local_optimizer_state`: this rank's state part.
 
     This rank's fragment of a parameter's optimizer state ``optim_state_key`` (1-D; not
     collective)."""
@@ -130,7 +130,7 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                    optim_state_key: str) -> None:
-    """DeepSpeed's `deepspeed.utils.safe_set_local_optimizer_state`: write it.
+    """DeepSpeed's `deepspeed.utils.safe_set_local_optimizer_state`: write the state part.
 
     Write this rank's fragment of a parameter's optimizer state ``optim_state_key``."""
     state = _owner(param, "safe_set_local_optimizer_state")
