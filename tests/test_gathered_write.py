@@ -109,3 +109,30 @@ def _resize_inside(rank, world_size):
 def test_shape_change_raises_on_every_rank(tmp_path):
     for message in run_distributed(_resize_inside, 2, tmp_path):
         assert "blocks.0.fc1.bias" in message and "not shapes" in message, message
+
+
+def _bf16_write(rank, world_size, stage):
+    cfg = zero_config(stage, global_batch=8, bf16={"enabled": True})
+    engine, *_ = meshzero.initialize(model=build_model("mlp"), config=cfg)
+    fc1 = engine.module.blocks[0].fc1
+    x, y = split_for_rank(make_batches("mlp", 1, 8)[0], rank, world_size, 1, 0)
+    engine.backward(mlp_loss(engine(x), y))
+    engine.step()
+    with torch.no_grad(), engine.gathered([fc1.weight, fc1.bias], modifier_rank=0):
+        if rank == 0:
+            fc1.weight.fill_(0.125)  # exact in bf16: the fp32 master must hold it exactly
+            fc1.bias.data = torch.full(fc1.bias.shape, 0.25)  # p.data replaced, in fp32
+    with torch.no_grad(), engine.gathered([fc1.weight, fc1.bias]):
+        compute = (fc1.weight.detach().float().clone(), fc1.bias.detach().float().clone(),
+                   fc1.weight.dtype)
+    return engine.full_state_dict(), compute
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mixed_precision_write_reaches_the_fp32_master(tmp_path, stage):
+    """bf16 compute with an fp32 master (a copy): both get the modifier's values."""
+    for state, (weight, bias, dtype) in run_distributed(_bf16_write, 2, tmp_path, stage):
+        assert dtype == torch.bfloat16
+        assert (state["blocks.0.fc1.weight"] == 0.125).all()
+        assert (state["blocks.0.fc1.bias"] == 0.25).all()
+        assert (weight == 0.125).all() and (bias == 0.25).all()
