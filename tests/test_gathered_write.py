@@ -111,8 +111,10 @@ def test_shape_change_raises_on_every_rank(tmp_path):
         assert "blocks.0.fc1.bias" in message and "not shapes" in message, message
 
 
-def _bf16_write(rank, world_size, stage):
+def _bf16_write(rank, world_size, stage, offload):
     cfg = zero_config(stage, global_batch=8, bf16={"enabled": True})
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, *_ = meshzero.initialize(model=build_model("mlp"), config=cfg)
     fc1 = engine.module.blocks[0].fc1
     x, y = split_for_rank(make_batches("mlp", 1, 8)[0], rank, world_size, 1, 0)
@@ -128,10 +130,12 @@ def _bf16_write(rank, world_size, stage):
     return engine.full_state_dict(), compute
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_mixed_precision_write_reaches_the_fp32_master(tmp_path, stage):
-    """bf16 compute with an fp32 master (a copy): both get the modifier's values."""
-    for state, (weight, bias, dtype) in run_distributed(_bf16_write, 2, tmp_path, stage):
+@pytest.mark.parametrize("stage,offload", [(1, False), (3, False), (3, True)])
+def test_mixed_precision_write_reaches_the_fp32_master(tmp_path, stage, offload):
+    """bf16 compute with an fp32 master (a copy; in host memory with offload_optimizer):
+    both get the modifier's values."""
+    for state, (weight, bias, dtype) in run_distributed(_bf16_write, 2, tmp_path, stage,
+                                                        offload):
         assert dtype == torch.bfloat16
         assert (state["blocks.0.fc1.weight"] == 0.125).all()
         assert (state["blocks.0.fc1.bias"] == 0.25).all()
