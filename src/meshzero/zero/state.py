@@ -328,6 +328,7 @@ class ZeroModelState:
     def _write_targets(self, params: list[torch.Tensor], modifier_rank: int) -> list[Target]:
         """What a gathered block with ``modifier_rank`` writes back, in slot order (the same
         on every rank); checked before the block runs."""
+        self._check_open()
         check_modifier_rank(modifier_rank, self.comm.size * (
             self.replica_comm.size if self.replica_comm is not None else 1))
         targets = []
