@@ -325,13 +325,17 @@ class Engine(nn.Module):
                 self.skipped_steps, self.profiling.clock.last_seconds(), self.last_grad_norm,
                 self.memory_report(), self.comm_report())) + events)
 
-    def gathered(self, params: Iterable[torch.Tensor]):
-        """``with engine.gathered(params):`` the full values of ``params`` inside the block at
-        stage 3 (a no-op at stages 0-2), like DeepSpeed's ``GatheredParameters``: a
-        collective, enter it on every rank. Read-only: writes inside it are not kept. Any use
-        of a parameter gathers it anyway; this makes the gather explicit and, with grad mode
-        off, releases it on exit."""
-        return self.zero.gathered(params)
+    def gathered(self, params: Iterable[torch.Tensor], modifier_rank: int | None = None):
+        """``with engine.gathered(params):`` the full values of ``params`` inside the block
+        (stage 3 gathers them; stages 0-2 hold them full), like DeepSpeed's
+        ``GatheredParameters``: a collective, enter it on every rank. With grad mode off the
+        units gathered for it are released on exit.
+
+        ``modifier_rank``: the data-parallel rank whose writes are kept: on exit its values
+        reach every rank's shard, fp32 master (and so the optimizer) and compute parameters,
+        at every stage (a custom init, rows copied by hand; shapes cannot change). None:
+        read-only, a write inside the block is lost (docs/models.md)."""
+        return self.zero.gathered(params, modifier_rank)
 
     # -- reports ---------------------------------------------------------------------------------
     @property

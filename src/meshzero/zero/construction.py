@@ -59,6 +59,10 @@ class ConstructionRecord:
     draws: DrawLog = field(default_factory=DrawLog)
     completed: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     creator: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    # made real before initialize by a gathered write (zero/early.py): the engine keeps
+    # their values and runs no init on the modules
+    early_modules: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
+    early_params: weakref.WeakSet[torch.Tensor] = field(default_factory=weakref.WeakSet)
 
     def _note_completed(self, module: nn.Module) -> None:
         seen = self.completed.get(id(module))
@@ -84,6 +88,13 @@ class ConstructionRecord:
 # module -> the record of the zero_init block that built it (weak keys: dropped with the model)
 _RECORDS: weakref.WeakKeyDictionary[nn.Module, ConstructionRecord] = (
     weakref.WeakKeyDictionary())
+
+
+def holders_of(param: torch.Tensor) -> list[tuple[nn.Module, str, ConstructionRecord]]:
+    """Every module built under a live ``zero_init`` record that holds ``param`` directly,
+    with the attribute name and the record."""
+    return [(m, name, record) for m, record in list(_RECORDS.items())
+            for name, q in m._parameters.items() if q is param]
 
 
 def find_record(model: nn.Module) -> ConstructionRecord | None:

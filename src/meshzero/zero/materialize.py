@@ -150,8 +150,9 @@ class Materializer:
                     if t is not None and t.is_meta:
                         work.tensors.append((kind, name, t))
                         self.holders.setdefault(id(t), []).append((module, kind, name))
-            if work.tensors or self.init_fn is not None:  # init_fn sees every module
-                works.append(work)
+            early = self.record is not None and module in self.record.early_modules
+            if work.tensors or (self.init_fn is not None and not early):
+                works.append(work)  # init_fn sees every module not made real early
 
         def key(w: _Work) -> tuple[float, int]:
             done = self.record.completion_index(w.module) if self.record is not None else None
@@ -207,8 +208,10 @@ class Materializer:
         draws = self.record.draws if self.record is not None else None
         targets = [(real, draws.of(meta)) for _, _, meta, real in created
                    if draws is not None]
+        kept = self._shield_early(module)
         with torch.no_grad(), ReplayDraws(targets):
             self._run_init(work, bool(created))
+        module._parameters.update(kept)
         unset = [name for _, name, _, real in created if real.is_floating_point()
                  and _has_nan(real)]
         if unset:
@@ -226,6 +229,18 @@ class Materializer:
             for holder, hkind, hname in self.holders[id(meta)]:
                 getattr(holder, hkind)[hname] = final
         return [meta for _, _, meta, _ in created]
+
+    def _shield_early(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """Parameters of ``module`` a gathered write made real before initialize (zero/
+        early.py; a tie to another module's) are swapped for scratch copies while its init
+        runs, so the written values stay; returns them by name to put back."""
+        early = self.record.early_params if self.record is not None else ()
+        kept = {name: p for name, p in module._parameters.items()
+                if p is not None and p in early}
+        for name, p in kept.items():
+            module._parameters[name] = nn.Parameter(p.detach().clone(),
+                                                    requires_grad=p.requires_grad)
+        return kept
 
     def _take(self, meta: torch.Tensor) -> torch.Tensor:
         """CPU memory for a parameter: its slot of the unit's flat fp32 buffer, which the

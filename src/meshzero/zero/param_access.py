@@ -11,6 +11,11 @@ at worst, so every such use is caught here and its unit gathered first:
   (``isinstance(p, nn.Parameter)`` stays true). Its ``__torch_function__`` gathers the
   parameter's unit before any op that reads the data (metadata such as ``shape``, ``numel``
   or ``.grad`` does not gather) and keeps it until the end of backward or the next step.
+* DeepSpeed's stage-3 attributes, which code reads to detect ZeRO-3 (``hasattr(p,
+  "ds_id")``) and drive it: ``ds_id``, ``ds_status`` (:class:`ZeroParamStatus`),
+  ``ds_numel``, ``ds_shape`` and ``ds_tensor`` are properties of :class:`ShardedParameter`
+  computed from the owner's own metadata (its :class:`~meshzero.zero.units.ParamSlot` and
+  flat group): nothing is stored on the tensor, and a parameter no engine holds has none.
 * :class:`SavedParameterHooks` (``saved_tensors_hooks`` around the engine's forward) marks
   every tensor autograd saves that views a gathered unit, so backward gathers that unit again
   if it was released in between (a ``.detach()``-ed weight, whose use has no gradient hook).
@@ -22,8 +27,10 @@ same order (the all-gather order check in ``sharded_params`` raises otherwise).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,9 +45,31 @@ _METADATA = frozenset({
     "is_pinned", "__reduce_ex__", "__deepcopy__",
 })
 
-# id(param) -> (weak references to it and to the bound method that gathers its unit); weak
-# so that a dropped engine and its model are freed
-_OWNERS: dict[int, tuple[weakref.ref, weakref.WeakMethod]] = {}
+# id(param) -> weak references to it, to the bound method that gathers its unit and to the
+# one that describes it (ParamInfo); weak so that a dropped engine and its model are freed
+_OWNERS: dict[int, tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | None]] = {}
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's `deepspeed.runtime.zero.partition_parameters.ZeroParamStatus`: ds_status values.
+
+    Whether a stage-3 parameter's full values are present, with DeepSpeed's values: core
+    meshzero defines it because its ``ShardedParameter.ds_status`` answers with it."""
+
+    AVAILABLE = 1  # gathered: the full values are in memory
+    NOT_AVAILABLE = 2  # released: only this rank's shard is
+    INFLIGHT = 3  # an all-gather (a prefetch) is in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """What the stage-3 attributes of one parameter read (DeepSpeed's names)."""
+
+    ds_id: int  # its position among the engine's sharded parameters (the same on every rank)
+    ds_status: ZeroParamStatus
+    ds_numel: int  # of the full parameter
+    ds_shape: torch.Size  # of the full parameter
+    ds_tensor: torch.Tensor  # its part of this rank's shard (1-D, possibly empty)
 
 
 def _reads_data(func) -> bool:
@@ -56,6 +85,15 @@ def _gather(param: nn.Parameter) -> None:
     on_use = owner[1]() if owner is not None and owner[0]() is param else None
     if on_use is not None:
         on_use(param)
+
+
+def _info(param: nn.Parameter, name: str) -> Any:
+    owner = _OWNERS.get(id(param))
+    describe = owner[2]() if owner is not None and owner[0]() is param \
+        and owner[2] is not None else None
+    if describe is None:  # no engine holds it (any longer): no ZeRO-3 attributes
+        raise AttributeError(f"{type(param).__name__!r} object has no attribute {name!r}")
+    return getattr(describe(param), name)
 
 
 class ShardedParameter(nn.Parameter):
@@ -76,20 +114,43 @@ class ShardedParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    # DeepSpeed's ZeRO-3 attributes, read from the engine's metadata (no gather)
+    @property
+    def ds_id(self) -> int:
+        return _info(self, "ds_id")
 
-def mark_sharded(param: nn.Parameter, on_use: Callable[[nn.Parameter], None]) -> None:
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return _info(self, "ds_status")
+
+    @property
+    def ds_numel(self) -> int:
+        return _info(self, "ds_numel")
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return _info(self, "ds_shape")
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        return _info(self, "ds_tensor")
+
+
+def mark_sharded(param: nn.Parameter, on_use: Callable[[nn.Parameter], None],
+                 describe: Callable[[nn.Parameter], ParamInfo] | None = None) -> None:
     """Make ``param`` gather itself through ``on_use(param)`` (a bound method, held weakly)
-    before its data is read."""
+    before its data is read; ``describe(param)`` (the same) answers its ``ds_*``."""
     if type(param) not in (nn.Parameter, ShardedParameter):  # the latter: a second engine
         raise ValueError(f"stage 3 shards only plain nn.Parameter objects, got "
                          f"{type(param).__name__} (shape {tuple(param.shape)})")
-    _OWNERS[id(param)] = (weakref.ref(param), weakref.WeakMethod(on_use))
+    _OWNERS[id(param)] = (weakref.ref(param), weakref.WeakMethod(on_use),
+                          None if describe is None else weakref.WeakMethod(describe))
     param.__class__ = ShardedParameter
 
 
 def forget_dead() -> None:
     """Drop the entries of parameters that no longer exist (their ids may be reused)."""
-    for key in [k for k, (ref, _) in _OWNERS.items() if ref() is None]:
+    for key in [k for k, (ref, *_) in _OWNERS.items() if ref() is None]:
         del _OWNERS[key]
 
 

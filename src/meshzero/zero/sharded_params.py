@@ -39,7 +39,9 @@ from meshzero.faults.phase import PhaseCheck
 from meshzero.zero.flat_buffer import FlatGroup, alloc_storage, free_storage
 from meshzero.zero.gather_plan import plan_reuse
 from meshzero.zero.param_access import (
+    ParamInfo,
     SavedParameterHooks,
+    ZeroParamStatus,
     forget_dead,
     mark_sharded,
     output_tensors,
@@ -139,17 +141,26 @@ class ParameterSharder:
         self._unit_of_storage: dict[int, int] = {}  # data_ptr of a gathered full -> unit
         self._unit_of_param = {id(p): u for u, gs in enumerate(self.units)
                                for g in gs for p in g.params}
-        forget_dead()
-        for gs in self.units:
-            for g in gs:
-                for p in g.params:
-                    mark_sharded(p, self._use_parameter)
+        self._mark_params()
         self._handles = []
         for u, module in enumerate(modules):
             if self.numel[u] == 0:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._handles.append(module.register_forward_hook(self._make_post_forward(u)))
+
+    def _mark_params(self) -> None:
+        """Every sharded parameter becomes a ShardedParameter (zero/param_access.py) whose
+        uses gather its unit and whose ds_* attributes read :meth:`describe`."""
+        # id(param) -> (its position, its group, its slot)
+        self._place = {id(p): (i, g, s) for i, (g, s, p) in enumerate(
+            (g, s, p) for gs in self.units for g in gs
+            for s, p in zip(g.layout.slots, g.params, strict=True))}
+        forget_dead()
+        for gs in self.units:
+            for g in gs:
+                for p in g.params:
+                    mark_sharded(p, self._use_parameter, self.describe)
 
     # -- gather / release -------------------------------------------------------------------
     def gather_parameters(self, unit: int) -> None:
@@ -286,6 +297,19 @@ class ParameterSharder:
         unit = self._unit_of_param[id(param)]
         if not self.gathered[unit] or unit in self.pending:
             self.ensure_gathered(unit)
+
+    def describe(self, param) -> ParamInfo:
+        """DeepSpeed's stage-3 attributes of ``param`` (zero/param_access.py): its
+        position, whether its unit is gathered, its full size and its part of the shard."""
+        index, group, slot = self._place[id(param)]
+        unit = self._unit_of_param[id(param)]
+        status = (ZeroParamStatus.INFLIGHT if unit in self.pending
+                  else ZeroParamStatus.AVAILABLE if self.gathered[unit]
+                  else ZeroParamStatus.NOT_AVAILABLE)
+        lo, hi = group.owned
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        local = group.shard[a - lo:b - lo] if a < b else group.shard[:0]
+        return ParamInfo(index, status, slot.numel, torch.Size(slot.shape), local)
 
     def gather_for(self, params) -> list[int]:
         """``engine.gathered(params)``: gather the units of ``params``; returns the units

@@ -28,6 +28,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
     make_tier,
 )
 from meshzero.zero.offload.transfer import StepTransfers
+from meshzero.zero.owners import register_owner
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 from meshzero.zero.sharded_params import (
@@ -36,7 +37,8 @@ from meshzero.zero.sharded_params import (
     order_check_communicator,
 )
 from meshzero.zero.trainability import Trainability
-from meshzero.zero.units import Layout, build_layout
+from meshzero.zero.units import Layout, ParamSlot, build_layout
+from meshzero.zero.write_back import Target, broadcast_values, check_modifier_rank, write_values
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,11 @@ class ZeroModelState:
                               grad_dtype=options.grad_dtype, master_dtype=options.master_dtype)
         self.units: list[list[FlatGroup]] = self._build_units(materialize)
         self.groups = [g for gs in self.units for g in gs]
+        self.replica_comm = replica_comm  # MiCS: gathered writes cross the replicas too
+        # id(parameter) -> its flat group and slot (the lookup of gathered writes)
+        self._slots = {id(p): (g, s) for g in self.groups
+                       for s, p in zip(g.layout.slots, g.params, strict=True)}
+        register_owner(self, (p for g in self.groups for p in g.params))
         resident = sum(g.full_nbytes for g in self.groups if not g.sharded)
         self.memory = GatheredMemory(resident)
         self.optim_state = ShardedOptimizerState(
@@ -288,21 +295,50 @@ class ZeroModelState:
         return self.sharder.saved_tensor_hooks()
 
     @contextmanager
-    def gathered(self, params: Iterable[torch.Tensor]):
-        """Stage 3: the full values of ``params`` inside the block (a collective: enter it
-        on every rank). Units gathered for it are released on exit, unless autograd may still
-        read them (grad mode on): then at the end of the next backward or step."""
-        if self.sharder is None:
-            yield
-            return
-        fresh = self.sharder.gather_for(list(params))
+    def gathered(self, params: Iterable[torch.Tensor], modifier_rank: int | None = None):
+        """The full values of ``params`` inside the block (a collective: enter it on every
+        rank). Stage 3 gathers their units; at stages 0-2 they are full already. Units
+        gathered for it are released on exit, unless autograd may still read them (grad
+        mode on): then at the end of the next backward or step.
+
+        ``modifier_rank``: the data-parallel rank whose writes into these parameters are
+        kept: on a clean exit its values (same shapes) reach every rank's master, shard and
+        compute parameters (zero/write_back.py). None: read-only, a write is lost."""
+        params = list(dict.fromkeys(params))  # tensors hash by identity
+        targets = None if modifier_rank is None else self._write_targets(params, modifier_rank)
+        fresh = [] if self.sharder is None else self.sharder.gather_for(params)
         try:
             yield
+            if targets is not None and modifier_rank is not None:
+                with self.materialized(write_back=True):
+                    values = broadcast_values(
+                        targets, comm=self.comm, replica_comm=self.replica_comm,
+                        modifier_rank=modifier_rank, device=self.device)
+                    write_values(targets, values)
         finally:
-            if not torch.is_grad_enabled():
+            if self.sharder is not None and not torch.is_grad_enabled():
                 for u in fresh:
                     self.sharder.sticky.discard(u)
                     self.sharder.release_parameters(u)
+
+    def slot_of(self, param: torch.Tensor) -> tuple[FlatGroup, ParamSlot] | None:
+        """The flat group and slot of ``param``, or None if this state does not hold it."""
+        return self._slots.get(id(param))
+
+    def _write_targets(self, params: list[torch.Tensor], modifier_rank: int) -> list[Target]:
+        """What a gathered block with ``modifier_rank`` writes back, in slot order (the same
+        on every rank); checked before the block runs."""
+        self._check_open()
+        check_modifier_rank(modifier_rank, self.comm.size * (
+            self.replica_comm.size if self.replica_comm is not None else 1))
+        targets = []
+        for p in params:
+            found = self.slot_of(p)
+            if found is None:
+                raise ValueError(f"gathered(modifier_rank={modifier_rank}): a parameter of "
+                                 f"shape {tuple(p.shape)} is not held by this engine")
+            targets.append(Target(p, found[1], found[0]))
+        return sorted(targets, key=lambda t: (t.slot.unit, t.slot.group, t.slot.offset))
 
     def after_step(self) -> None:
         """Stage 3: units still gathered (used after backward) hold the old values: free them."""

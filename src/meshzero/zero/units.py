@@ -14,6 +14,7 @@ Layout of one group, world size N, shard size S (a multiple of ``ALIGN``)::
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -143,14 +144,47 @@ def default_units(module: nn.Module, prefix: str = "") -> list[str]:
     return paths
 
 
+# modules marked as whole units (mark_whole_unit); weak: dropped with their model
+_WHOLE_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_whole_unit(module: nn.Module, whole: bool = True) -> None:
+    """Make ``module`` one unit, gathered whole (no unit inside it), whatever the unit
+    policy chooses; ``whole=False`` removes the mark. Set before ``meshzero.initialize``:
+    an MoE block whose experts run data-dependently is the usual case (every rank must
+    gather the same units in the same order, and a whole block is one gather)."""
+    if whole:
+        _WHOLE_UNITS.add(module)
+    else:
+        _WHOLE_UNITS.discard(module)
+
+
+def is_whole_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is marked by :func:`mark_whole_unit`."""
+    return module in _WHOLE_UNITS
+
+
+def _apply_whole_units(model: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` with every marked module a unit and no unit inside a marked one (the
+    outermost mark wins), in pre-order."""
+    marked = [p for p, m in model.named_modules() if p and m in _WHOLE_UNITS]
+    if not marked:
+        return paths
+    outer = [p for p in marked if not any(p.startswith(q + ".") for q in marked)]
+    kept = set(outer) | {p for p in paths
+                         if not any(p.startswith(q + ".") for q in outer)}
+    return ["", *(p for p, _ in model.named_modules() if p and p in kept)]
+
+
 def choose_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[str]:
     """Module paths of the units in pre-order; the root (``""``) is always first.
 
     ``unit_classes`` names classes (``type(m).__name__``) whose every instance becomes a unit;
-    by default the repeated blocks of the model (see :func:`default_units`).
+    by default the repeated blocks of the model (see :func:`default_units`). Modules marked
+    by :func:`mark_whole_unit` are units in either case, with no unit inside them.
     """
     if unit_classes is None:
-        return ["", *default_units(model)]
+        return _apply_whole_units(model, ["", *default_units(model)])
     names = set(unit_classes)
     present = {type(m).__name__ for m in model.modules()}
     missing = sorted(names - present)
@@ -159,7 +193,8 @@ def choose_units(model: nn.Module, unit_classes: list[str] | None = None) -> lis
             f"zero_optimization.unit_classes = {sorted(names)}: no module of class "
             f"{missing} in the model; classes present: {sorted(present)}"
         )
-    return ["", *(p for p, m in model.named_modules() if p and type(m).__name__ in names)]
+    return _apply_whole_units(
+        model, ["", *(p for p, m in model.named_modules() if p and type(m).__name__ in names)])
 
 
 def _owner(unit_paths: list[str], module_path: str) -> str:
