@@ -40,6 +40,9 @@ _EXPORTS = {
     "accelerator": "meshzero.deepspeed.accelerator:",
     "runtime": "meshzero.deepspeed.runtime:",
     "moe": "meshzero.deepspeed.moe:",
+    "pipe": "meshzero.deepspeed.pipe:",
+    "checkpoint": "meshzero.deepspeed.checkpoint:",
+    "PipelineModule": "meshzero.deepspeed.pipe",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -1,0 +1,1 @@
+"""``deepspeed.checkpoint``: the checkpoint helpers real code imports (``utils``)."""
