@@ -1,0 +1,87 @@
+"""The small ``deepspeed.runtime`` / ``deepspeed.pipe`` names real code imports, each against
+DeepSpeed 0.19.6's source."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import meshzero.deepspeed as deepspeed
+from meshzero import schedulers
+from meshzero.deepspeed.runtime import lr_schedules
+from meshzero.deepspeed.runtime.utils import see_memory_usage, set_random_seed
+from meshzero.deepspeed.runtime.zero.offload_config import (
+    OffloadDeviceEnum,
+    OffloadStateTypeEnum,
+)
+
+
+def test_set_random_seed_seeds_random_numpy_and_torch() -> None:
+    """DeepSpeed's runtime/utils.py ``set_random_seed``: random, numpy (a seed over 2**32
+    taken modulo, as numpy takes 32 bits) and torch."""
+    draws = []
+    for _ in range(2):
+        set_random_seed(2**40 + 7)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    assert draws[0] == draws[1]
+
+
+def test_see_memory_usage_logs_only_when_forced(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed's runtime/utils.py ``see_memory_usage``: nothing without ``force``."""
+    with caplog.at_level(logging.INFO, logger="meshzero.deepspeed.runtime.utils"):
+        see_memory_usage("quiet")
+        see_memory_usage("after init", force=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("after init | MA ")
+
+
+def test_offload_enums_have_deepspeeds_values() -> None:
+    """DeepSpeed's runtime/zero/offload_config.py ``OffloadDeviceEnum`` and
+    ``OffloadStateTypeEnum`` (str enums: they compare equal to the config's strings)."""
+    assert OffloadDeviceEnum.cpu == "cpu" and [e.value for e in OffloadDeviceEnum] == [
+        "none", "cpu", "nvme"]
+    assert [e.value for e in OffloadStateTypeEnum] == [
+        "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
+
+
+def test_warmup_schedules_take_deepspeeds_keyword() -> None:
+    """DeepSpeed's runtime/lr_schedules.py ``WarmupLR(..., last_batch_iteration=-1)``: the
+    same lr per step as meshzero's WarmupLR (which holds DeepSpeed's values); the two
+    schedules meshzero lacks raise naming torch's."""
+    def lrs(cls, **kw) -> list[float]:
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = cls(opt, warmup_min_lr=0.0, warmup_max_lr=0.01, warmup_num_steps=5, **kw)
+        out = []
+        for _ in range(7):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    assert lrs(lr_schedules.WarmupLR, last_batch_iteration=-1) == lrs(schedulers.WarmupLR)
+    assert "OneCycle" in lr_schedules.VALID_LR_SCHEDULES
+    with pytest.raises(NotImplementedError, match="OneCycleLR"):
+        lr_schedules.OneCycle(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
+
+
+def test_pipeline_module_is_the_sequential_meshzero_splits() -> None:
+    """DeepSpeed's pipe/module.py ``PipelineModule(layers, num_stages, loss_fn)`` with
+    ``LayerSpec``s and plain callables; ``TiedLayerSpec`` and activation_checkpoint_interval
+    are refused naming the meshzero way."""
+    torch.manual_seed(0)
+    model = deepspeed.pipe.PipelineModule(
+        layers=[deepspeed.pipe.LayerSpec(nn.Linear, 4, 8), torch.relu, nn.Linear(8, 2)],
+        num_stages=2, loss_fn=nn.functional.mse_loss)
+    assert isinstance(model, nn.Sequential) and model.num_stages == 2
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), model[2](torch.relu(model[0](x))))
+    with pytest.raises(NotImplementedError, match="does not tie layers across stages"):
+        deepspeed.pipe.TiedLayerSpec("embed", nn.Linear, 4, 4)
+    with pytest.raises(ValueError, match="activation_checkpoint_interval"):
+        deepspeed.pipe.PipelineModule([nn.Linear(2, 2)], num_stages=1,
+                                      activation_checkpoint_interval=1)
