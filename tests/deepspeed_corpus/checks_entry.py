@@ -87,11 +87,15 @@ def initialize_model_parameters(ctx: Context) -> None:
     batches = [[batch(0)], [batch(1)]]
     engine_steps(engine, batches)
 
+    names = [n for n, _ in make_model().named_parameters()]
+
     def grouped(params: Any) -> torch.optim.AdamW:
-        return torch.optim.AdamW(_groups(ref_model), lr=LR)
-    ref_model = make_model()
-    want = plain_steps(ref_model, batches, make_opt=grouped)
-    assert_params(full_params(engine), want)
+        named = list(zip(names, params, strict=True))
+        return torch.optim.AdamW(
+            [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+             {"params": [p for n, p in named if not n.endswith("weight")],
+              "weight_decay": 0.0}], lr=LR)
+    assert_params(full_params(engine), plain_steps(make_model(), batches, make_opt=grouped))
 
 
 @check("deepspeed.initialize(lr_scheduler=<callable>)")
@@ -112,8 +116,8 @@ def initialize_args(ctx: Context) -> None:
     path = ctx.tmp() / "ds_config.json"
     path.write_text(json.dumps(config(gas=3)))
     args = argparse.Namespace(local_rank=0, deepspeed_config=str(path), deepspeed=True)
-    engine, *_ = ds().initialize(args=args, model=make_model(),
-                                 model_parameters=make_model().parameters())
+    model = make_model()
+    engine, *_ = ds().initialize(args=args, model=model, model_parameters=model.parameters())
     assert engine.gradient_accumulation_steps() == 3
     lightning = argparse.Namespace(device_rank=0)
     engine, *_ = ds().initialize(args=lightning, model=make_model(), config=config())
