@@ -34,3 +34,56 @@ def test_train_minimal_loss_falls(launcher: list[str]) -> None:
     assert len(losses) >= 2, f"no loss lines in the output:\n{proc.stdout}\n{proc.stderr}"
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
     assert "memory on device (bytes):" in proc.stdout and "comm all_gather" in proc.stdout
+
+
+def _torchrun(script: str, *args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*TORCHRUN, "--nproc-per-node", "2", str(REPO_ROOT / "examples" / script), *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+CHAT_STEP = re.compile(r"^step\s+(\d+)\s+loss\s+(\S+)\s+kl\s+(\S+)$", re.MULTILINE)
+
+
+def test_deepspeed_chat_style_example(tmp_path) -> None:
+    """Actor + frozen ZeRO-3 reference: the KL starts at 0 (same weights, the value head
+    written by rank 0 under GatheredParameters on both) and grows; the reference never
+    changes; the ZeRO-3 save gathers full tensors."""
+    import torch
+
+    out = _torchrun("deepspeed_chat_style.py", "--output_dir", str(tmp_path), "--steps", "6")
+    steps = [(float(loss), float(kl)) for _, loss, kl in CHAT_STEP.findall(out)]
+    assert len(steps) == 6, out
+    assert abs(steps[0][1]) < 1e-6 and steps[-1][1] > 1e-4, steps
+    assert "reference unchanged True" in out, out
+    state = torch.load(tmp_path / "actor" / "pytorch_model.bin", weights_only=True)
+    assert state["lm_head.weight"].shape == (32, 32) and state["v_head.weight"].shape == (1, 32)
+    assert state["embed.weight"].shape == (32, 32)
+
+
+MEGATRON_ITER = re.compile(r"^iteration\s+(\d+) \| lm loss (\S+) \|", re.MULTILINE)
+
+
+def _iterations(out: str) -> dict[int, float]:
+    return {int(i): float(loss) for i, loss in MEGATRON_ITER.findall(out)}
+
+
+def test_megatron_style_example_resumes_exactly(tmp_path) -> None:
+    """Saved at iteration 3 with Megatron's client state (args, RNG states); the resumed
+    run's iterations 4-6 are the uninterrupted run's."""
+    save = str(tmp_path / "gpt")
+    first = _torchrun("megatron_style.py", "--train-iters", "6", "--save", save,
+                      "--save-interval", "3", "--checkpoint-activations")
+    full = _iterations(first)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6], first
+    assert full[6] < full[1], full
+    resumed = _torchrun("megatron_style.py", "--train-iters", "6", "--load", save,
+                        "--load-tag", "iter_0000003", "--checkpoint-activations")
+    again = _iterations(resumed)
+    assert sorted(again) == [4, 5, 6], resumed
+    for i in (4, 5, 6):
+        assert abs(again[i] - full[i]) <= 1e-5 * abs(full[i]), (i, again[i], full[i])
