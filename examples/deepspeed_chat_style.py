@@ -121,12 +121,14 @@ def train_rlhf(actor_engine, ref_engine, args, device):
                                       device)
         with torch.no_grad():
             ref_logits, _ = ref_engine(seq)
-            ref_log_probs = gather_log_probs(ref_logits[:, :-1], seq[:, 1:])
+            ref_all = F.log_softmax(ref_logits[:, :-1], dim=-1)
         logits, values = actor_engine(seq)
         log_probs = gather_log_probs(logits[:, :-1], seq[:, 1:])
+        actor_all = F.log_softmax(logits[:, :-1], dim=-1)
         mask = torch.zeros_like(log_probs)
         mask[:, PROMPT - 1:] = 1.0  # only the answer tokens
-        kl = ((log_probs - ref_log_probs) * mask).sum(dim=1) / mask.sum(dim=1)
+        token_kl = (actor_all.exp() * (actor_all - ref_all)).sum(dim=-1)  # KL(actor || ref)
+        kl = (token_kl * mask).sum(dim=1) / mask.sum(dim=1)
         advantages = reward - values[:, -1].detach()
         pg_loss = -(advantages.unsqueeze(1) * log_probs * mask).sum() / mask.sum()
         value_loss = F.mse_loss(values[:, -1], reward)

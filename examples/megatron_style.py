@@ -126,6 +126,8 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(ParallelTransformerLayer(args)
                                     for _ in range(args.num_layers))
         self.final_layernorm = nn.LayerNorm(args.hidden_size)
+        for emb in (self.word_embeddings, self.position_embeddings):  # init_method_normal
+            nn.init.normal_(emb.weight, mean=0.0, std=0.02)
 
     def forward(self, tokens, labels):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
