@@ -142,8 +142,13 @@ def acc_backend_name(ctx: Context) -> None:
 
 @check("get_accelerator().current_device")
 def acc_current_device(ctx: Context) -> None:
-    t = torch.empty(1, device=_acc().current_device())
-    assert t.device.type == _device_name()
+    """CUDA: the device index (Megatron allocates on it); CPU: LOCAL_RANK, as DeepSpeed's
+    CPU_Accelerator.current_device answers."""
+    if torch.cuda.is_available():
+        t = torch.empty(1, device=_acc().current_device())
+        assert t.device.type == "cuda"
+    else:
+        assert int(_acc().current_device()) == int(os.environ.get("LOCAL_RANK", 0))
 
 
 @check("get_accelerator().get_rng_state")
