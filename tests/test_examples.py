@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -37,14 +38,27 @@ def test_train_minimal_loss_falls(launcher: list[str]) -> None:
     assert "memory on device (bytes):" in proc.stdout and "comm all_gather" in proc.stdout
 
 
-def _torchrun(script: str, *args: str, timeout: int = 300) -> str:
+def _run_example(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> str:
+    """Under torchrun at ``ranks`` ranks, or (ranks=1) one process with the launcher's
+    environment set by hand, as `deepspeed --num_gpus 1` would."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*TORCHRUN, "--nproc-per-node", "2", str(REPO_ROOT / "examples" / script), *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    path = str(REPO_ROOT / "examples" / script)
+    if ranks == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
+        cmd = [sys.executable, path, *args]
+    else:
+        cmd = [*TORCHRUN, "--nproc-per-node", str(ranks), path, *args]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 CHAT_STEP = re.compile(r"^step\s+(\d+)\s+loss\s+(\S+)\s+kl\s+(\S+)$", re.MULTILINE)
@@ -56,7 +70,7 @@ def test_deepspeed_chat_style_example(tmp_path) -> None:
     changes; the ZeRO-3 save gathers full tensors."""
     import torch
 
-    out = _torchrun("deepspeed_chat_style.py", "--output_dir", str(tmp_path), "--steps", "6")
+    out = _run_example("deepspeed_chat_style.py", "--output_dir", str(tmp_path), "--steps", "6")
     steps = [(float(loss), float(kl)) for _, loss, kl in CHAT_STEP.findall(out)]
     assert len(steps) == 6, out
     assert abs(steps[0][1]) < 1e-6 and steps[-1][1] > 1e-4, steps
@@ -73,17 +87,19 @@ def _iterations(out: str) -> dict[int, float]:
     return {int(i): float(loss) for i, loss in MEGATRON_ITER.findall(out)}
 
 
-def test_megatron_style_example_resumes_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_megatron_style_example_resumes_exactly(tmp_path, ranks) -> None:
     """Saved at iteration 3 with Megatron's client state (args, RNG states); the resumed
     run's iterations 4-6 are the uninterrupted run's."""
     save = str(tmp_path / "gpt")
-    first = _torchrun("megatron_style.py", "--train-iters", "6", "--save", save,
-                      "--save-interval", "3", "--checkpoint-activations")
+    first = _run_example("megatron_style.py", "--train-iters", "6", "--save", save,
+                         "--save-interval", "3", "--checkpoint-activations", ranks=ranks)
     full = _iterations(first)
     assert sorted(full) == [1, 2, 3, 4, 5, 6], first
     assert all(math.isfinite(v) and v > 0 for v in full.values()), full
-    resumed = _torchrun("megatron_style.py", "--train-iters", "6", "--load", save,
-                        "--load-tag", "iter_0000003", "--checkpoint-activations")
+    resumed = _run_example("megatron_style.py", "--train-iters", "6", "--load", save,
+                           "--load-tag", "iter_0000003", "--checkpoint-activations",
+                           ranks=ranks)
     again = _iterations(resumed)
     assert sorted(again) == [4, 5, 6], resumed
     for i in (4, 5, 6):
