@@ -53,6 +53,8 @@ def test_rows_use_the_docstring_after_the_deepspeed_prefix() -> None:
     def plain() -> None:
         """Something else."""
 
+    documented.__module__ = plain.__module__ = "meshzero.deepspeed.example"
     assert table._first_line(documented) == ("meshzero's y.", True)
     assert table._first_line(plain) == ("Something else.", False)
     assert table._first_line("lamb") == ("constant `'lamb'`", True)
+    assert table._first_line(len) == ("`builtins.len`, as it is", True)

@@ -3,10 +3,12 @@
     python -m meshzero.deepspeed.table docs/migration.md   # rewrite the section in place
 
 Every public name of ``meshzero.deepspeed`` is walked: the names of each lazy ``_EXPORTS``
-map (a module named there is walked in turn), every module and package under
-``meshzero/deepspeed/`` (DeepSpeed's import paths, ``deepspeed.runtime.zero...``), and the
-methods ``DeepSpeedEngine`` adds to ``meshzero.Engine``. Each row is the first line of the
-name's docstring ("DeepSpeed's `x`: what it is here"), the ``DeepSpeed's `x`:`` part dropped.
+map (a module named there is walked in turn), a module's ``__all__`` (or the functions and
+classes it defines), the submodules of a package that declares neither (DeepSpeed's import
+paths, ``deepspeed.runtime.zero.partition_parameters``), and the methods ``DeepSpeedEngine``
+adds to ``meshzero.Engine``. Each row is the first line of the name's docstring ("DeepSpeed's
+`x`: what it is here", continued while the sentence is), the ``DeepSpeed's `x`:`` part dropped;
+a name re-exported from torch is shown as such.
 
 A module named in an ``_EXPORTS`` map that cannot be imported is an error (the table would
 silently lose names). While the modules are being written, ``--allow-missing`` (or
@@ -57,12 +59,25 @@ def _first_line(obj: Any) -> tuple[str, bool]:
         obj = obj.fget
     if not _has_own_doc(obj):
         return _describe_value(obj), True
+    home = getattr(obj, "__module__", None) or ""
+    if not inspect.ismodule(obj) and not home.startswith("meshzero"):
+        return f"`{home}.{obj.__qualname__}`, as it is", True  # re-exported as it is
     doc = obj.__doc__
     if not doc or not doc.strip():
         return "(no docstring)", False
-    line = inspect.cleandoc(doc).splitlines()[0].strip()
+    line = _first_sentence(inspect.cleandoc(doc).splitlines())
     match = _PREFIX.match(line)
     return (line[match.end():] if match else line), bool(match)
+
+
+def _first_sentence(lines: list[str]) -> str:
+    """The first line, continued while it does not end a sentence (a wrapped first line)."""
+    out = lines[0].strip()
+    for nxt in lines[1:4]:
+        if not nxt.strip() or out.endswith((".", ":", ")")):
+            break
+        out = f"{out} {nxt.strip()}"
+    return out
 
 
 def _has_own_doc(obj: Any) -> bool:
@@ -72,6 +87,8 @@ def _has_own_doc(obj: Any) -> bool:
 def _describe_value(obj: Any) -> str:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return f"constant `{obj!r}`"
+    if getattr(obj, "__origin__", None) is not None:
+        return "a type alias (for annotations)"
     if isinstance(obj, (list, tuple, frozenset, set)):
         return f"constant {type(obj).__name__} of {len(obj)}"
     return f"a `{type(obj).__module__}.{type(obj).__qualname__}`"
@@ -113,7 +130,12 @@ class _Walker:
             self._walk_exports(module, ds_name, exports)
         else:
             for attr, obj in _own_public(module):
-                self.add(f"{ds_name}.{attr}", obj)
+                if inspect.ismodule(obj) and obj.__name__.startswith(PACKAGE):
+                    self.walk(obj, f"{ds_name}.{attr}")  # a submodule listed in __all__
+                else:
+                    self.add(f"{ds_name}.{attr}", obj)
+        if exports is not None or hasattr(module, "__all__"):
+            return  # a declared surface: its other submodules are meshzero's own
         for sub in _submodules(module):
             child = self.module(f"{module.__name__}.{sub}", None)
             if child is not None:
