@@ -60,6 +60,7 @@ class Call:
     api: str  # the name as code spells it (engine.* for engine methods/attributes)
     call: str  # one representative call, as written at the first site
     sites: tuple[tuple[str, str], ...]  # (project, "path:line")
+    needs: str = ""  # a DeepSpeed feature meshzero has no engine for (counted apart too)
 
     @property
     def projects(self) -> tuple[str, ...]:
@@ -70,7 +71,7 @@ class Call:
         return len(self.sites)
 
 
-def _c(api: str, call: str, *sites: str) -> Call:
+def _c(api: str, call: str, *sites: str, needs: str = "") -> Call:
     """``sites``: "Project path:line" strings."""
     pairs = []
     for site in sites:
@@ -78,7 +79,7 @@ def _c(api: str, call: str, *sites: str) -> Call:
         if project not in REPOS:
             raise ValueError(f"unknown project {project!r} in the site of {api}")
         pairs.append((project, where))
-    return Call(api, call, tuple(pairs))
+    return Call(api, call, tuple(pairs), needs)
 
 
 CALLS: tuple[Call, ...] = (
@@ -178,7 +179,8 @@ CALLS: tuple[Call, ...] = (
        "deepspeed.tp_model_init(model, tp_size=args.tp_size, dtype=dtype)",
        "DeepSpeedExamples training/tensor_parallel/basic_example/autotp_memory_compare.py:142",
        "OpenRLHF openrlhf/utils/deepspeed/deepspeed.py:390",
-       "transformers src/transformers/integrations/deepspeed.py:665"),
+       "transformers src/transformers/integrations/deepspeed.py:665",
+       needs="AutoTP"),
     # --- ZeRO ----------------------------------------------------------------------------
     _c("deepspeed.zero.Init",
        "with deepspeed.zero.Init(config_dict_or_path=config_dict): model = Model()",
@@ -247,7 +249,8 @@ CALLS: tuple[Call, ...] = (
     _c("engine.optimizer.parameter_offload",
        "optimizer_offload = model.optimizer.parameter_offload; "
        "optimizer_offload._register_deepspeed_module(optimizer_offload.module)",
-       "TRL trl/models/utils.py:52"),
+       "TRL trl/models/utils.py:52",
+       needs="DeepSpeed's ZeRO-3 hook internals"),
     _c("deepspeed.utils.set_z3_leaf_modules",
        "set_z3_leaf_modules(model, [MixtralSparseMoeBlock])",
        "LLaMA-Factory src/llamafactory/model/model_utils/moe.py:40",
@@ -484,25 +487,30 @@ CALLS: tuple[Call, ...] = (
        "deepspeed.moe.layer.MoE(hidden_size=84, expert=fc3, num_experts=n_e, "
        "ep_size=args.ep_world_size, use_residual=..., k=args.top_k, ...)",
        "DeepSpeedExamples training/cifar/cifar10_deepspeed.py:181",
-       "Megatron-DeepSpeed megatron/model/transformer.py:1069"),
+       "Megatron-DeepSpeed megatron/model/transformer.py:1069",
+       needs="expert parallelism"),
     _c("deepspeed.pipe.PipelineModule",
        "PipelineModule(layers=specs, loss_fn=..., topology=topo, "
        "activation_checkpoint_interval=...)",
        "DeepSpeedExamples training/pipeline_parallelism/train.py:131",
        "Megatron-DeepSpeed megatron/model/gpt_model.py:322",
-       "gpt-neox megatron/model/gpt2_model.py:96"),
+       "gpt-neox megatron/model/gpt2_model.py:96",
+       needs="DeepSpeed's PipelineModule"),
     _c("deepspeed.pipe.LayerSpec",
        "LayerSpec(ParallelTransformerLayerPipe, config, layer_number=i)",
        "Megatron-DeepSpeed megatron/model/gpt_model.py:388",
-       "gpt-neox megatron/model/gpt2_model.py:208"),
+       "gpt-neox megatron/model/gpt2_model.py:208",
+       needs="DeepSpeed's PipelineModule"),
     _c("deepspeed.pipe.TiedLayerSpec",
        'TiedLayerSpec("embed", EmbeddingPipe, ..., tied_weight_attr="word_embeddings_weight")',
        "Megatron-DeepSpeed megatron/model/gpt_model.py:362",
-       "gpt-neox megatron/model/gpt2_model.py:193"),
+       "gpt-neox megatron/model/gpt2_model.py:193",
+       needs="DeepSpeed's PipelineModule"),
     _c("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology",
        "PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=dp)",
        "Megatron-DeepSpeed megatron/model/gpt_model.py:455",
-       "gpt-neox megatron/initialize.py:170"),
+       "gpt-neox megatron/initialize.py:170",
+       needs="DeepSpeed's PipelineModule"),
     # --- the engine ----------------------------------------------------------------------
     _c("engine(...)",
        "outputs = model_engine(images)",
@@ -685,11 +693,13 @@ CALLS: tuple[Call, ...] = (
        "loss = model.train_batch(data_iter=data_iterator)",
        "gpt-neox megatron/training.py:1393",
        "DeepSpeedExamples training/data_efficiency/variable_batch_size_and_lr/"
-       "variable_batch_size_and_lr_example.py:199"),
+       "variable_batch_size_and_lr_example.py:199",
+       needs="DeepSpeed's PipelineEngine"),
     _c("engine.eval_batch",
        "model.eval_batch(data_iter=data_iterator, return_logits=True)",
        "gpt-neox megatron/checkpointing.py:94",
-       "Megatron-DeepSpeed tasks/eval_harness/evaluate.py:245"),
+       "Megatron-DeepSpeed tasks/eval_harness/evaluate.py:245",
+       needs="DeepSpeed's PipelineEngine"),
     _c("engine.set_train_batch_size",
        "model[0].set_train_batch_size(global_batch_size)",
        "Megatron-DeepSpeed megatron/training.py:1258"),

@@ -109,22 +109,31 @@ def score(results: dict[str, str]) -> list[Score]:
     out = []
     for call in CALLS:
         names = [n for n, r in REGISTRY.items() if r.api == call.api]
-        fails = [f"{n}: {results[n]}" if n != call.api else results[n]
-                 for n in names if results.get(n)]
+        outcome = {n: results.get(n, "did not run") for n in names}
+        fails = [f"{n}: {outcome[n]}" if n != call.api else outcome[n]
+                 for n in names if outcome[n]]
         if not names:
             fails = ["no check"]
         out.append(Score(call, tuple(fails)))
     return out
 
 
-def table(scores: list[Score]) -> str:
+def _share(scores: list[Score]) -> str:
     works = [s for s in scores if s.works]
     weight = sum(s.call.weight for s in scores)
     got = sum(s.call.weight for s in works)
+    return (f"{len(works)} of {len(scores)} APIs work as called; weighted by projects: "
+            f"{got} of {weight} ({100 * got / max(weight, 1):.0f} %)")
+
+
+def table(scores: list[Score]) -> str:
     lines = [f"{'ok' if s.works else '--'}  {s.call.api}  (x{s.call.weight})"
              + ("" if s.works else f"  {s.failures[0]}") for s in scores]
-    lines.append(f"\n{len(works)} of {len(scores)} APIs work as called; weighted by "
-                 f"projects: {got} of {weight} ({100 * got / weight:.0f} %)")
+    core = [s for s in scores if not s.call.needs]
+    needs = sorted({s.call.needs for s in scores if s.call.needs})
+    lines += ["", _share(scores),
+              f"without the {len(scores) - len(core)} that need a DeepSpeed feature meshzero "
+              f"has no engine for ({', '.join(needs)}): {_share(core)}"]
     return "\n".join(lines)
 
 
