@@ -1,0 +1,1 @@
+"""``deepspeed.checkpoint``: the package of ``deepspeed.checkpoint.utils``."""
