@@ -125,7 +125,7 @@ class _Walker:
         if module.__name__ in self.seen or module.__name__ in _SKIP_MODULES:
             return
         self.seen.add(module.__name__)
-        exports: dict[str, str] | None = getattr(module, "_EXPORTS", None)
+        exports: dict[str, str] | None = vars(module).get("_EXPORTS")  # no module __getattr__
         if exports is not None:
             self._walk_exports(module, ds_name, exports)
         else:
@@ -134,7 +134,7 @@ class _Walker:
                     self.walk(obj, f"{ds_name}.{attr}")  # a submodule listed in __all__
                 else:
                     self.add(f"{ds_name}.{attr}", obj)
-        if exports is not None or hasattr(module, "__all__"):
+        if exports is not None or "__all__" in vars(module):
             return  # a declared surface: its other submodules are meshzero's own
         for sub in _submodules(module):
             child = self.module(f"{module.__name__}.{sub}", None)
@@ -155,7 +155,7 @@ class _Walker:
 
 def _own_public(module: ModuleType) -> Iterator[tuple[str, Any]]:
     """``__all__``, or the public functions and classes the module defines itself."""
-    names = getattr(module, "__all__", None)
+    names = vars(module).get("__all__")
     if names is None:
         names = [n for n, v in vars(module).items() if not n.startswith("_")
                  and (inspect.isfunction(v) or inspect.isclass(v))
