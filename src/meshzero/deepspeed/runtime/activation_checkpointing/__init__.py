@@ -1,1 +1,0 @@
-"""``deepspeed.runtime.activation_checkpointing``: the package of ``checkpointing``."""
