@@ -1,1 +1,1 @@
-"""``deepspeed.checkpoint``: the checkpoint helpers real code imports (``utils``)."""
+"""``deepspeed.checkpoint``: the package of ``deepspeed.checkpoint.utils``."""

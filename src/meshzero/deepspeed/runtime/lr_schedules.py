@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from meshzero import schedulers
 
+LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST = "LRRangeTest"
 ONE_CYCLE = "OneCycle"
 WARMUP_LR = "WarmupLR"
@@ -64,3 +65,7 @@ def _refused(name: str) -> type:
 
 OneCycle = _refused("OneCycle")
 LRRangeTest = _refused("LRRangeTest")
+
+__all__ = ["LR_RANGE_TEST", "LR_SCHEDULE", "ONE_CYCLE", "VALID_LR_SCHEDULES", "WARMUP_COSINE_LR",
+           "WARMUP_DECAY_LR", "WARMUP_LR", "LRRangeTest", "OneCycle", "WarmupCosineLR",
+           "WarmupDecayLR", "WarmupLR"]

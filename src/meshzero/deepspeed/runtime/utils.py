@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["see_memory_usage", "set_random_seed"]
+
 
 def set_random_seed(seed: int) -> None:
     """DeepSpeed's `deepspeed.runtime.utils.set_random_seed`: seeds Python's `random`, numpy
