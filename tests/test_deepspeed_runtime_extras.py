@@ -85,3 +85,24 @@ def test_pipeline_module_is_the_sequential_meshzero_splits() -> None:
     with pytest.raises(ValueError, match="activation_checkpoint_interval"):
         deepspeed.pipe.PipelineModule([nn.Linear(2, 2)], num_stages=1,
                                       activation_checkpoint_interval=1)
+
+
+def test_names_megatron_and_accelerate_read() -> None:
+    """DeepSpeed's accelerator/cuda_accelerator.py typed-tensor properties (``LongTensor``:
+    ``functools.partial(torch.tensor, dtype=torch.long, device=...)``), checkpointing.py's
+    ``_MODEL_PARALLEL_RNG_TRACKER_NAME``, runtime/config.py's optimizer names and
+    utils/groups.py ``_get_sequence_parallel_rank`` / ``_get_sequence_parallel_group``
+    (KeyError without an sp group)."""
+    from meshzero.deepspeed.checkpointing import _MODEL_PARALLEL_RNG_TRACKER_NAME
+    from meshzero.deepspeed.runtime.config import ADAM_OPTIMIZER, LAMB_OPTIMIZER
+    from meshzero.deepspeed.utils import groups
+
+    acc = deepspeed.get_accelerator()
+    t = acc.LongTensor([1, 2])
+    assert t.dtype == torch.long and t.device.type == acc.device_name()
+    assert acc.ByteTensor([1]).dtype == torch.uint8 and acc.HalfTensor([1]).dtype == torch.half
+    assert _MODEL_PARALLEL_RNG_TRACKER_NAME == "model-parallel-rng"
+    assert (ADAM_OPTIMIZER, LAMB_OPTIMIZER) == ("adam", "lamb")
+    assert groups._get_sequence_parallel_rank() == 0
+    with pytest.raises(KeyError, match="sp_group"):
+        groups._get_sequence_parallel_group()

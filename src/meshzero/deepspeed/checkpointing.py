@@ -37,6 +37,7 @@ __all__ = ["CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configur
            "partition_activations_in_checkpoint", "reset", "set_num_layers"]
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's and Megatron's tracker name
+_MODEL_PARALLEL_RNG_TRACKER_NAME = _MODEL_PARALLEL_RNG  # the name gpt-neox reads at import
 
 # DeepSpeed's config keys of its "activation_checkpointing" section -> configure()'s names
 _CONFIG_KEYS = {"partition_activations": "partition_activations",

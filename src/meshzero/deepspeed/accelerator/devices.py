@@ -10,6 +10,7 @@ elsewhere). No dependency beyond torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -253,6 +254,47 @@ class CUDA_Accelerator:  # noqa: N801 (DeepSpeed's name)
     def get_op_builder(self, class_name: str) -> Any:
         """DeepSpeed's `accelerator.get_op_builder`: raises (meshzero builds no ops)."""
         return self.create_op_builder(class_name)
+
+
+    # DeepSpeed's typed-tensor constructors: torch.tensor on this accelerator in one dtype
+    # (Megatron-DeepSpeed builds its index and mask tensors with LongTensor / ByteTensor)
+    def _typed(self, dtype: torch.dtype) -> Any:
+        return functools.partial(torch.tensor, dtype=dtype, device=self.current_device_name())
+
+    @property
+    def BFloat16Tensor(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+        """DeepSpeed's `accelerator.BFloat16Tensor`: torch.tensor(dtype=bfloat16) here."""
+        return self._typed(torch.bfloat16)
+
+    @property
+    def ByteTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.ByteTensor`: torch.tensor(dtype=uint8) here."""
+        return self._typed(torch.uint8)
+
+    @property
+    def DoubleTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.DoubleTensor`: torch.tensor(dtype=float64) here."""
+        return self._typed(torch.double)
+
+    @property
+    def FloatTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.FloatTensor`: torch.tensor(dtype=float32) here."""
+        return self._typed(torch.float)
+
+    @property
+    def HalfTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.HalfTensor`: torch.tensor(dtype=float16) here."""
+        return self._typed(torch.half)
+
+    @property
+    def IntTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.IntTensor`: torch.tensor(dtype=int32) here."""
+        return self._typed(torch.int)
+
+    @property
+    def LongTensor(self) -> Any:  # noqa: N802
+        """DeepSpeed's `accelerator.LongTensor`: torch.tensor(dtype=int64) here."""
+        return self._typed(torch.long)
 
 
 class CPU_Accelerator(CUDA_Accelerator):  # noqa: N801 (DeepSpeed's name)

@@ -17,6 +17,13 @@ from meshzero.config.errors import read_json
 
 logger = logging.getLogger(__name__)
 
+# DeepSpeed's optimizer type names (lower case, as its config compares them)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+
 
 class DeepSpeedConfigError(ConfigError):
     """DeepSpeed's `deepspeed.runtime.config.DeepSpeedConfigError`: meshzero's ConfigError."""

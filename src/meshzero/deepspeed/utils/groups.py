@@ -80,6 +80,19 @@ def _get_sequence_parallel_world_size() -> int:
     return 1
 
 
+def _get_sequence_parallel_rank() -> int:
+    """DeepSpeed's `deepspeed.utils.groups._get_sequence_parallel_rank`: 0 (no sp group)."""
+    return 0
+
+
+def _get_sequence_parallel_group() -> Any:
+    """DeepSpeed's `deepspeed.utils.groups._get_sequence_parallel_group`: raises KeyError as
+    DeepSpeed's does without an sp group (meshzero's Ulysses is the config's
+    sequence_parallel_size; its group is the engine's ``topology.sp_group``)."""
+    raise KeyError("No sequence parallel group found: meshzero's Ulysses group is "
+                   "engine.topology.sp_group (config sequence_parallel_size)")
+
+
 def _get_sequence_data_parallel_world_size() -> int:
     """DeepSpeed's `deepspeed.utils.groups._get_sequence_data_parallel_world_size`: world size."""
     return _world_size()
