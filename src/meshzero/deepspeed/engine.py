@@ -1,0 +1,371 @@
+"""DeepSpeed's ``DeepSpeedEngine``: meshzero's :class:`~meshzero.engine.Engine` under the
+names real DeepSpeed training code calls.
+
+Each method maps one DeepSpeed name onto meshzero's own API (it is a map, not a second
+engine): the training step is the core ``Engine``'s; what DeepSpeed spells differently
+(keyword order, return values, file names) is translated here. Attributes the engine lacks
+fall through to the wrapped model, as DeepSpeed's ``DeepSpeedEngine.__getattr__`` does
+(``engine.generate(...)``, ``engine.config_class``). The optimizer ``initialize`` returns
+stays the engine's own ``torch.optim.Optimizer`` and gains DeepSpeed's ZeRO-optimizer
+attributes ``overflow``, ``cur_scale`` and ``loss_scale``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshzero.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeed's default ``save_16bit_model`` file name: a pickle. meshzero writes safetensors.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+
+
+class ZeroOptimizerView:
+    """DeepSpeed's ZeRO optimizer attributes on the engine's own optimizer (mixed into a
+    subclass of its class, made once per class, so it stays that ``torch.optim.Optimizer``:
+    schedulers, ``param_groups`` and ``state_dict`` are untouched)."""
+
+    _meshzero_engine: Callable[[], DeepSpeedEngine | None]
+
+    def _engine(self) -> DeepSpeedEngine | None:
+        ref = self.__dict__.get("_meshzero_engine")
+        return ref() if ref is not None else None
+
+    @property
+    def overflow(self) -> bool:
+        """DeepSpeed's ``DeepSpeedZeroOptimizer.overflow``: whether the last optimizer step
+        was skipped for inf/nan gradients (fp16 overflow, or ``faults.nonfinite_grads``)."""
+        engine = self._engine()
+        return bool(engine is not None and engine.step_overflowed)
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's ``DeepSpeedZeroOptimizer.cur_scale``: the current loss scale (1.0
+        unless fp16 is enabled)."""
+        engine = self._engine()
+        return float(engine.loss_scale) if engine is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's ``DeepSpeedZeroOptimizer.loss_scale``: the current loss scale."""
+        return self.cur_scale
+
+
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def as_zero_optimizer(optimizer: torch.optim.Optimizer, engine: DeepSpeedEngine) -> None:
+    """Give ``optimizer`` (in place) DeepSpeed's ZeRO-optimizer attributes, read from
+    ``engine``: its class becomes a subclass of its class with :class:`ZeroOptimizerView`."""
+    cls = type(optimizer)
+    if not isinstance(optimizer, ZeroOptimizerView):
+        view = _VIEW_CLASSES.get(cls)
+        if view is None:
+            view = type(cls.__name__, (ZeroOptimizerView, cls),
+                        {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _VIEW_CLASSES[cls] = view
+        optimizer.__class__ = view
+    optimizer.__dict__["_meshzero_engine"] = weakref.ref(engine)
+
+
+def _local_rank(engine: Engine) -> int:
+    """``LOCAL_RANK`` (torchrun's), else this rank's place on its node."""
+    env = os.environ.get("LOCAL_RANK")
+    if env is not None:
+        return int(env)
+    return engine.topology.rank % max(engine.topology.ranks_per_node, 1)
+
+
+class DeepSpeedEngine(Engine):
+    """DeepSpeed's ``deepspeed.DeepSpeedEngine``: meshzero's ``Engine`` with DeepSpeed's
+    method names, keyword order and attribute fall-through to the model."""
+
+    training_dataloader: Any = None  # initialize(training_data=...)'s loader
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        topo = self.topology
+        self.global_rank: int = topo.rank
+        self.world_size: int = topo.world_size
+        self.local_rank: int = _local_rank(self)
+        self.dp_world_size: int = topo.dp_size
+        self.mp_world_size: int = topo.tp_size
+        self.step_overflowed = False  # the last optimizer step was skipped for inf/nan
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's value
+        if self.optimizer is not None:
+            as_zero_optimizer(self.optimizer, self)
+
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's ``DeepSpeedEngine.__getattr__``: a name the engine lacks is the
+        wrapped model's (``engine.generate``, ``engine.config_class``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object and its model "
+                                 f"{type(module).__name__} have no attribute '{name}'") from None
+
+    # -- the training step -----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """DeepSpeed's ``DeepSpeedEngine.backward``: ``Engine.backward``; returns the loss
+        divided by the accumulation steps (``scale_wrt_gas=False``: gradients and return
+        value not divided)."""
+        gas = self.gradient_accumulation_steps()
+        # the core divides by gas: undo it when DeepSpeed's caller asks for no division
+        core_loss = loss if scale_wrt_gas or gas == 1 else loss * gas
+        super().backward(core_loss, **({"retain_graph": True} if retain_graph else {}))
+        return loss / gas if scale_wrt_gas else loss
+
+    def step(self, lr_kwargs: dict | None = None) -> bool:  # type: ignore[override]
+        """DeepSpeed's ``DeepSpeedEngine.step``: ``Engine.step`` (the optimizer step at the
+        accumulation boundary; ``lr_kwargs`` go to the scheduler's ``step``)."""
+        skipped = self.skipped_steps
+        boundary = self.is_gradient_accumulation_boundary()
+        # the keyword goes to the core only when given
+        applied = super().step(**({} if lr_kwargs is None else {"lr_kwargs": lr_kwargs}))
+        if boundary:
+            self.step_overflowed = self.skipped_steps > skipped
+        return applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.is_gradient_accumulation_boundary``: whether the next
+        ``step()`` steps the optimizer (``set_gradient_accumulation_boundary`` overrides)."""
+        if self._boundary is not None:
+            return self._boundary
+        return super().is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.set_gradient_accumulation_boundary``: the caller
+        decides which backward reduces and which ``step()`` steps the optimizer."""
+        if not isinstance(is_boundary, bool):
+            raise ValueError(f"set_gradient_accumulation_boundary(is_boundary={is_boundary!r})"
+                             ": expected True or False")
+        self._boundary = is_boundary
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """DeepSpeed's ``DeepSpeedEngine.no_sync``: ``Engine.no_sync`` (no gradient reduction
+        inside; stages 0-1 only, as DeepSpeed)."""
+        return self._core("no_sync")()
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's ``DeepSpeedEngine.get_lr``: each param group's ``lr`` (``[]`` without
+        an optimizer)."""
+        return self._group_values("lr")
+
+    def get_mom(self) -> list[Any]:
+        """DeepSpeed's ``DeepSpeedEngine.get_mom``: each param group's ``momentum`` (SGD,
+        RMSprop) or ``betas`` (the others)."""
+        sgd_like = isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop))
+        return self._group_values("momentum" if sgd_like else "betas")
+
+    def _group_values(self, key: str) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's ``DeepSpeedEngine.get_global_grad_norm``: ``engine.last_grad_norm``,
+        the global gradient norm of the last applied step (None before one)."""
+        return self.last_grad_norm
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.set_train_batch_size``: ``Engine.set_train_batch_size``
+        (the micro batch stays; the accumulation steps change)."""
+        self._core("set_train_batch_size")(train_batch_size)
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """DeepSpeed's ``DeepSpeedEngine.get_batch_info``: (train_batch_size, micro batch per
+        rank, gradient accumulation steps)."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    @property
+    def global_samples(self) -> int:
+        """DeepSpeed's ``DeepSpeedEngine.global_samples``: samples of the steps taken."""
+        return self.global_steps * self.train_batch_size()
+
+    def destroy(self) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.destroy``: ``Engine.close`` (collective)."""
+        self.close()
+
+    # -- configuration queries -------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_stage``: ``zero_optimization.stage``."""
+        return self.zero_stage
+
+    def zero_optimization(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.zero_optimization``: whether the ZeRO stage is > 0."""
+        return self.zero_stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_partition_gradients``: stage >= 2."""
+        return self.zero_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_partition_weights``: stage 3."""
+        return self.zero_stage == 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.zero_gather_16bit_weights_on_model_save``: the config's
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (default False)."""
+        zc = self.config.zero_optimization
+        return bool(zc.stage3_gather_16bit_weights_on_model_save)
+
+    def fp16_enabled(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.fp16_enabled``: ``fp16.enabled``."""
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.bfloat16_enabled``: ``bf16.enabled``."""
+        return bool(self.config.bf16.enabled)
+
+    def gradient_clipping(self) -> float:
+        """DeepSpeed's ``DeepSpeedEngine.gradient_clipping``: ``gradient_clipping``."""
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int:
+        """DeepSpeed's ``DeepSpeedEngine.steps_per_print``: ``steps_per_print``."""
+        return int(self.config.steps_per_print)
+
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.wall_clock_breakdown``: ``wall_clock_breakdown``."""
+        return bool(self.config.wall_clock_breakdown)
+
+    def _core(self, name: str) -> Callable[..., Any]:
+        """The core ``Engine`` method ``name`` bound to this engine; one clear line if this
+        meshzero build lacks it."""
+        method = getattr(Engine, name, None)
+        if method is None:
+            raise NotImplementedError(f"this meshzero build has no Engine.{name}, which "
+                                      f"DeepSpeed's name maps onto; update meshzero")
+        return functools.partial(method, self)
+
+    def get_data_parallel_group(self) -> Any:
+        """DeepSpeed's ``groups._get_data_parallel_group`` as the engine knows it: the
+        data-parallel process group (the world when dp is the whole world)."""
+        group = self.topology.dp_group
+        return group if group is not None else dist.group.WORLD
+
+    # -- stage 3 ---------------------------------------------------------------------------------
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.empty_partition_cache``: release every gathered
+        stage-3 parameter (a no-op at stages 0-2)."""
+        self.zero.after_step()
+
+    def _zero3_consolidated_16bit_state_dict(
+            self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's ``DeepSpeedEngine._zero3_consolidated_16bit_state_dict``:
+        ``Engine.consolidated_16bit_state_dict`` (collective; rank 0 gets the dict)."""
+        return self._core("consolidated_16bit_state_dict")(
+            exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.offload_states``: ``Engine.offload_states`` (to the
+        CPU, the one device DeepSpeed supports)."""
+        name = str(getattr(device, "value", device))
+        if name != "cpu":
+            raise ValueError(f"offload_states(device={name!r}): meshzero offloads states to "
+                             "the CPU only (as DeepSpeed); pass device='cpu'")
+        self._core("offload_states")(include=include, pin_memory=pin_memory,
+                                     non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``DeepSpeedEngine.reload_states``: ``Engine.reload_states``."""
+        self._core("reload_states")(non_blocking=non_blocking)
+
+    # -- pipeline --------------------------------------------------------------------------------
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: str | None = "avg",
+                   bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
+        """DeepSpeed's ``PipelineEngine.eval_batch``: not available; evaluate without the
+        pipeline schedule."""
+        raise NotImplementedError(
+            "eval_batch() is not supported: meshzero's pipeline runs training steps only; "
+            "evaluate with `with torch.no_grad(): engine(x)` on an engine without "
+            "pipeline_parallel, or load the saved weights into an eval model")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,  # type: ignore[override]
+                        client_state: Any = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.save_checkpoint``: ``Engine.save_checkpoint``
+        (collective); returns True, as DeepSpeed."""
+        # the keywords go to the core only when not its default
+        extra: dict[str, bool] = {}
+        if not save_latest:
+            extra["save_latest"] = False
+        if exclude_frozen_parameters:
+            extra["exclude_frozen_parameters"] = True
+        tag = None if tag is None else str(tag)
+        super().save_checkpoint(save_dir, tag, client_state, **extra)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,  # type: ignore[override]
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None) -> tuple[str | None, Any]:
+        """DeepSpeed's ``DeepSpeedEngine.load_checkpoint``: ``Engine.load_checkpoint`` with
+        DeepSpeed's keyword order (collective); returns ``(path, client_state)``."""
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported: load the tag with "
+                "engine.load_checkpoint, then change the module's weights inside "
+                "deepspeed.zero.GatheredParameters(params, modifier_rank=0)")
+        extra: dict[str, bool] = {}
+        if not load_module_strict:
+            extra["load_module_strict"] = False
+        if load_module_only:
+            extra["load_module_only"] = True
+        tag = None if tag is None else str(tag)
+        return super().load_checkpoint(load_dir, tag, load_optimizer_states,
+                                       load_lr_scheduler_states, **extra)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike,  # type: ignore[override]
+                         save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.save_16bit_model``: ``Engine.save_16bit_model`` as
+        safetensors (a pickle name such as ``pytorch_model.bin`` is written as
+        ``model.safetensors`` / ``<stem>.safetensors``); True when saved, as DeepSpeed."""
+        name = safetensors_name(save_filename)
+        if name != save_filename:
+            logger.info("save_16bit_model: writing %s instead of %s (meshzero writes "
+                        "safetensors, never a pickle)", name, save_filename)
+        extra = {"exclude_frozen_parameters": True} if exclude_frozen_parameters else {}
+        return super().save_16bit_model(save_dir, name, **extra) is not None
+
+    def save_fp16_model(self, save_dir: str | os.PathLike,
+                        save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.save_fp16_model``: the old name of
+        ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+
+def safetensors_name(filename: str) -> str:
+    """The safetensors file meshzero writes for DeepSpeed's ``save_filename``: Hugging Face's
+    ``model.safetensors`` for ``pytorch_model.bin``, else ``<stem>.safetensors`` for a pickle
+    suffix; any other name is kept."""
+    path = Path(filename)
+    if path.name == "pytorch_model.bin":
+        return str(path.with_name("model.safetensors"))
+    if path.suffix in _PICKLE_SUFFIXES:
+        return str(path.with_suffix(".safetensors"))
+    return filename
