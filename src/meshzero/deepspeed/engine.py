@@ -224,10 +224,12 @@ class DeepSpeedEngine(Engine):
         return self.zero_stage == 3
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.zero_gather_16bit_weights_on_model_save``: the config's
-        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (default False)."""
-        zc = self.config.zero_optimization
-        return bool(zc.stage3_gather_16bit_weights_on_model_save)
+        """DeepSpeed's ``DeepSpeedEngine.zero_gather_16bit_weights_on_model_save``: whether
+        ``save_16bit_model`` gathers and saves at stage 3: the config's
+        ``stage3_gather_16bit_weights_on_model_save``, True when not given (meshzero's
+        default; DeepSpeed's is False)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save \
+            is not False
 
     def fp16_enabled(self) -> bool:
         """DeepSpeed's ``DeepSpeedEngine.fp16_enabled``: ``fp16.enabled``."""
@@ -350,7 +352,8 @@ class DeepSpeedEngine(Engine):
             logger.info("save_16bit_model: writing %s instead of %s (meshzero writes "
                         "safetensors, never a pickle)", name, save_filename)
         extra = {"exclude_frozen_parameters": True} if exclude_frozen_parameters else {}
-        return super().save_16bit_model(save_dir, name, **extra) is not None
+        super().save_16bit_model(save_dir, name, **extra)  # the path on rank 0 only
+        return self.zero_stage < 3 or self.zero_gather_16bit_weights_on_model_save()
 
     def save_fp16_model(self, save_dir: str | os.PathLike,
                         save_filename: str = "pytorch_model.bin") -> bool:
