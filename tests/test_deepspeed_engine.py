@@ -81,7 +81,8 @@ def _deepspeed_loop(rank, world_size, stage):
         partitions=(engine.zero_optimization_partition_gradients(),
                     engine.zero_optimization_partition_weights()),
         ranks=(engine.global_rank, engine.world_size, engine.local_rank, engine.dp_world_size,
-               engine.mp_world_size),
+               engine.mp_world_size, engine.get_data_parallel_rank(),
+               engine.get_model_parallel_rank()),
         precision=(engine.fp16_enabled(), engine.bfloat16_enabled()),
         steps_per_print=engine.steps_per_print(), batch_info=engine.get_batch_info(),
         samples=engine.global_samples, clip=engine.gradient_clipping(),
@@ -121,7 +122,7 @@ def test_deepspeed_loop_trains_like_torch(tmp_path, stage, world_size):
         assert seen["norm"] == pytest.approx(ref.grad_norms[-1], rel=1e-5)
         assert (seen["stage"], seen["zero"]) == (stage, stage > 0)
         assert seen["partitions"] == (stage >= 2, stage == 3)
-        assert seen["ranks"] == (rank, world_size, rank, world_size, 1)
+        assert seen["ranks"] == (rank, world_size, rank, world_size, 1, rank, 0)
         assert seen["precision"] == (False, False)
         assert seen["steps_per_print"] == 10 and seen["clip"] == CLIP
         assert seen["batch_info"] == (8, 8 // (GAS * world_size), GAS)
@@ -269,7 +270,7 @@ def _stage3_surface(rank, world_size):
                                   all(p.untyped_storage().size() == 0 for p in params))
     with pytest.raises(ValueError, match="device='nvme'"):
         engine.offload_states(device="nvme")
-    with pytest.raises(NotImplementedError, match="eval_batch"):
+    with pytest.raises(ValueError, match="eval_batch.. drives a pipeline"):
         engine.eval_batch(iter([]))
     if _core_has("consolidated_16bit_state_dict"):
         full = engine._zero3_consolidated_16bit_state_dict()
@@ -333,6 +334,43 @@ def test_no_sync_and_set_train_batch_size(tmp_path):
         assert out[1] == "ok"
         assert out[2] != "ok" and "2" in out[2]
         assert out["batch"] == (16, 2, 4)
+
+
+# -- the pipeline engine's names -----------------------------------------------------------------
+def _pipeline_eval(rank, world_size):
+    from meshzero.deepspeed.engine import DeepSpeedEngine
+    from meshzero.engine import initialize
+    from tests.test_pipeline import _mlp_chain
+
+    cfg = zero_config(1, global_batch=8, grad_accum=2, pipeline_parallel={"size": 2})
+    micro = [split_for_rank(make_batches("mlp", 1, 8)[0], 0, 1, 2, m) for m in range(2)]
+    engine, *_ = initialize(model=_mlp_chain(), config=cfg, loss_fn=mlp_loss,
+                            example_inputs=micro[0][0], engine_class=DeepSpeedEngine)
+    loss = engine.eval_batch(iter(micro))
+    untouched = (engine.global_steps, engine.module.training,
+                 all(p.grad is None for p in engine.module.parameters()))
+    with pytest.raises(NotImplementedError, match="return_logits=True"):
+        engine.eval_batch(iter(micro), return_logits=True)
+    trained = engine.train_batch(iter(micro))  # the same weights: the same loss
+    stages = (engine.is_pipe_parallel, engine.is_first_stage(), engine.is_last_stage())
+    engine.destroy()
+    return loss.item(), trained.item(), untouched, stages
+
+
+def test_eval_batch_runs_the_pipeline_forward_only(tmp_path):
+    """DeepSpeed's ``PipelineEngine.eval_batch`` (runtime/pipe/engine.py: the inference
+    schedule over the micro-batches under no_grad, the mean loss broadcast to every stage;
+    no step) on meshzero's pipeline, and ``is_first_stage`` / ``is_last_stage``."""
+    from tests.test_pipeline import _mlp_chain
+
+    x, y = make_batches("mlp", 1, 8)[0]
+    with torch.no_grad():
+        want = mlp_loss(_mlp_chain()(x), y).item()
+    for rank, (loss, trained, untouched, stages) in enumerate(
+            run_distributed(_pipeline_eval, 2, tmp_path)):
+        assert loss == pytest.approx(want, rel=1e-6) and trained == pytest.approx(loss)
+        assert untouched == (0, True, True)
+        assert stages == (True, rank == 0, rank == 1)
 
 
 # -- initialize's keywords -----------------------------------------------------------------------

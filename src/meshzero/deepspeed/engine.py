@@ -266,6 +266,16 @@ class DeepSpeedEngine(Engine):
         group = self.topology.dp_group
         return group if group is not None else dist.group.WORLD
 
+    def get_data_parallel_rank(self) -> int:
+        """DeepSpeed's ``DeepSpeedEngine.get_data_parallel_rank``: this rank's dp index."""
+        return self.topology.dp_rank
+
+    def get_model_parallel_rank(self) -> int:
+        """DeepSpeed's ``DeepSpeedEngine.get_model_parallel_rank``: this rank's tp index."""
+        return self.topology.coords["tp"]
+
+    get_tensor_parallel_rank = get_model_parallel_rank
+
     # -- stage 3 ---------------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
         """DeepSpeed's ``DeepSpeedEngine.empty_partition_cache``: release every gathered
@@ -298,12 +308,50 @@ class DeepSpeedEngine(Engine):
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False,
                    compute_loss: bool = True, reduce_output: str | None = "avg",
                    bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
-        """DeepSpeed's ``PipelineEngine.eval_batch``: not available; evaluate without the
-        pipeline schedule."""
-        raise NotImplementedError(
-            "eval_batch() is not supported: meshzero's pipeline runs training steps only; "
-            "evaluate with `with torch.no_grad(): engine(x)` on an engine without "
-            "pipeline_parallel, or load the saved weights into an eval model")
+        """DeepSpeed's ``PipelineEngine.eval_batch``: the pipeline forward only (no gradients,
+        no step) over ``gradient_accumulation_steps`` micro-batches; their mean loss."""
+        pipe = self.pipeline
+        if pipe is None:
+            raise ValueError("eval_batch() drives a pipeline (pipeline_parallel.size > 1); "
+                             "without one evaluate with `with torch.no_grad(): engine(x)`")
+        refused = [f"{k}={v!r}" for k, v, ok in (
+            ("return_logits", return_logits, not return_logits),
+            ("compute_loss", compute_loss, compute_loss),
+            ("reduce_output", reduce_output, reduce_output == "avg"),
+            ("num_micro_batches", num_micro_batches,
+             num_micro_batches in (None, pipe.micro_batches))) if not ok]
+        if refused:
+            raise NotImplementedError(
+                f"eval_batch({', '.join(refused)}) is not supported: meshzero's pipeline "
+                f"evaluates the mean loss over its {pipe.micro_batches} micro-batches "
+                "(static shapes); for outputs run the model without pipeline_parallel")
+        inputs = targets = None
+        if pipe.has_first_stage or pipe.has_last_stage:
+            items = [next(data_iter) for _ in range(pipe.micro_batches)]
+            inputs = torch.cat([x for x, _ in items]).to(self.device)
+            targets = torch.cat([y for _, y in items]).to(self.device)
+        training = self.module.training
+        self.module.eval()  # as DeepSpeed; the mode is restored after (train_batch keeps it)
+        try:
+            loss = pipe.evaluate(inputs, targets)
+        finally:
+            self.module.train(training)
+        return loss if bcast_loss or pipe.has_last_stage else None
+
+    @property
+    def is_pipe_parallel(self) -> bool:
+        """DeepSpeed's ``DeepSpeedEngine.is_pipe_parallel``: whether a pipeline runs."""
+        return self.pipeline is not None
+
+    def is_first_stage(self) -> bool:
+        """DeepSpeed's ``PipelineEngine.is_first_stage``: this rank holds the first stage
+        (True without a pipeline)."""
+        return self.pipeline is None or self.pipeline.has_first_stage
+
+    def is_last_stage(self) -> bool:
+        """DeepSpeed's ``PipelineEngine.is_last_stage``: this rank holds the last stage
+        (True without a pipeline)."""
+        return self.pipeline is None or self.pipeline.has_last_stage
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,  # type: ignore[override]
