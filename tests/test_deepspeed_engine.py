@@ -473,12 +473,12 @@ def test_training_data_gives_the_engines_loader(tmp_path):
 def test_runtime_engine_import_path():
     """``from deepspeed.runtime.engine import DeepSpeedEngine`` (DeepSpeed's module path) and
     the callable aliases it defines (runtime/engine.py)."""
-    from meshzero.deepspeed.engine import DeepSpeedEngine, safetensors_name
+    from meshzero.deepspeed.engine import DeepSpeedEngine, _safetensors_name
     from meshzero.deepspeed.runtime import engine as runtime_engine
 
     assert runtime_engine.DeepSpeedEngine is DeepSpeedEngine
     assert issubclass(DeepSpeedEngine, meshzero.Engine)
     assert runtime_engine.DeepSpeedOptimizerCallable is not None
-    assert safetensors_name("pytorch_model.bin") == "model.safetensors"
-    assert safetensors_name("sub/actor.pt") == "sub/actor.safetensors"
-    assert safetensors_name("model.safetensors") == "model.safetensors"
+    assert _safetensors_name("pytorch_model.bin") == "model.safetensors"
+    assert _safetensors_name("sub/actor.pt") == "sub/actor.safetensors"
+    assert _safetensors_name("model.safetensors") == "model.safetensors"

@@ -1,5 +1,4 @@
-"""DeepSpeed's ``DeepSpeedEngine``: meshzero's :class:`~meshzero.engine.Engine` under the
-names real DeepSpeed training code calls.
+"""DeepSpeed's `deepspeed.DeepSpeedEngine`: meshzero's `Engine` under DeepSpeed's names.
 
 Each method maps one DeepSpeed name onto meshzero's own API (it is a map, not a second
 engine): the training step is the core ``Engine``'s; what DeepSpeed spells differently
@@ -32,10 +31,12 @@ logger = logging.getLogger(__name__)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 
 
-class ZeroOptimizerView:
-    """DeepSpeed's ZeRO optimizer attributes on the engine's own optimizer (mixed into a
-    subclass of its class, made once per class, so it stays that ``torch.optim.Optimizer``:
-    schedulers, ``param_groups`` and ``state_dict`` are untouched)."""
+class _ZeroOptimizerView:
+    """DeepSpeed's `DeepSpeedZeroOptimizer`: the engine's own optimizer with its attributes.
+
+    Mixed into a subclass of the optimizer's class (made once per class), so the optimizer
+    stays that ``torch.optim.Optimizer``: schedulers, ``param_groups`` and ``state_dict`` are
+    untouched."""
 
     _meshzero_engine: Callable[[], DeepSpeedEngine | None]
 
@@ -45,35 +46,43 @@ class ZeroOptimizerView:
 
     @property
     def overflow(self) -> bool:
-        """DeepSpeed's ``DeepSpeedZeroOptimizer.overflow``: whether the last optimizer step
-        was skipped for inf/nan gradients (fp16 overflow, or ``faults.nonfinite_grads``)."""
+        """DeepSpeed's `DeepSpeedZeroOptimizer.overflow`: the last step was skipped (inf/nan).
+
+        An fp16 overflow, or inf/nan gradients under ``faults.nonfinite_grads: skip``."""
         engine = self._engine()
         return bool(engine is not None and engine.step_overflowed)
 
     @property
     def cur_scale(self) -> float:
-        """DeepSpeed's ``DeepSpeedZeroOptimizer.cur_scale``: the current loss scale (1.0
-        unless fp16 is enabled)."""
+        """DeepSpeed's `DeepSpeedZeroOptimizer.cur_scale`: the loss scale (1.0 without fp16)."""
         engine = self._engine()
         return float(engine.loss_scale) if engine is not None else 1.0
 
     @property
     def loss_scale(self) -> float:
-        """DeepSpeed's ``DeepSpeedZeroOptimizer.loss_scale``: the current loss scale."""
+        """DeepSpeed's `DeepSpeedZeroOptimizer.loss_scale`: the loss scale (1.0 without fp16)."""
         return self.cur_scale
+
+    def _partition_all_parameters(self) -> None:
+        """DeepSpeed's `DeepSpeedZeroOptimizer_Stage3._partition_all_parameters`: release all.
+
+        ``engine.empty_partition_cache()`` (Lightning calls it before loading a checkpoint)."""
+        engine = self._engine()
+        if engine is not None:
+            engine.empty_partition_cache()
 
 
 _VIEW_CLASSES: dict[type, type] = {}
 
 
-def as_zero_optimizer(optimizer: torch.optim.Optimizer, engine: DeepSpeedEngine) -> None:
+def _as_zero_optimizer(optimizer: torch.optim.Optimizer, engine: DeepSpeedEngine) -> None:
     """Give ``optimizer`` (in place) DeepSpeed's ZeRO-optimizer attributes, read from
-    ``engine``: its class becomes a subclass of its class with :class:`ZeroOptimizerView`."""
+    ``engine``: its class becomes a subclass of its class with :class:`_ZeroOptimizerView`."""
     cls = type(optimizer)
-    if not isinstance(optimizer, ZeroOptimizerView):
+    if not isinstance(optimizer, _ZeroOptimizerView):
         view = _VIEW_CLASSES.get(cls)
         if view is None:
-            view = type(cls.__name__, (ZeroOptimizerView, cls),
+            view = type(cls.__name__, (_ZeroOptimizerView, cls),
                         {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
             _VIEW_CLASSES[cls] = view
         optimizer.__class__ = view
@@ -89,8 +98,10 @@ def _local_rank(engine: Engine) -> int:
 
 
 class DeepSpeedEngine(Engine):
-    """DeepSpeed's ``deepspeed.DeepSpeedEngine``: meshzero's ``Engine`` with DeepSpeed's
-    method names, keyword order and attribute fall-through to the model."""
+    """DeepSpeed's `deepspeed.DeepSpeedEngine`: meshzero's `Engine` under DeepSpeed's names.
+
+    DeepSpeed's method names, keyword order and return values, and attribute fall-through to
+    the model."""
 
     training_dataloader: Any = None  # initialize(training_data=...)'s loader
 
@@ -105,11 +116,12 @@ class DeepSpeedEngine(Engine):
         self.step_overflowed = False  # the last optimizer step was skipped for inf/nan
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's value
         if self.optimizer is not None:
-            as_zero_optimizer(self.optimizer, self)
+            _as_zero_optimizer(self.optimizer, self)
 
     def __getattr__(self, name: str) -> Any:
-        """DeepSpeed's ``DeepSpeedEngine.__getattr__``: a name the engine lacks is the
-        wrapped model's (``engine.generate``, ``engine.config_class``)."""
+        """DeepSpeed's `DeepSpeedEngine.__getattr__`: a name the engine lacks is the model's.
+
+        As ``engine.generate(...)`` or ``engine.config_class``."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -125,9 +137,10 @@ class DeepSpeedEngine(Engine):
     # -- the training step -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
-        """DeepSpeed's ``DeepSpeedEngine.backward``: ``Engine.backward``; returns the loss
-        divided by the accumulation steps (``scale_wrt_gas=False``: gradients and return
-        value not divided)."""
+        """DeepSpeed's `DeepSpeedEngine.backward`: `Engine.backward`; returns loss / gas.
+
+        ``scale_wrt_gas=False``: neither the gradients nor the returned loss are divided by
+        the gradient accumulation steps."""
         gas = self.gradient_accumulation_steps()
         # the core divides by gas: undo it when DeepSpeed's caller asks for no division
         core_loss = loss if scale_wrt_gas or gas == 1 else loss * gas
@@ -135,8 +148,9 @@ class DeepSpeedEngine(Engine):
         return loss / gas if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict | None = None) -> bool:  # type: ignore[override]
-        """DeepSpeed's ``DeepSpeedEngine.step``: ``Engine.step`` (the optimizer step at the
-        accumulation boundary; ``lr_kwargs`` go to the scheduler's ``step``)."""
+        """DeepSpeed's `DeepSpeedEngine.step`: `Engine.step` (lr_kwargs to the scheduler).
+
+        The optimizer steps at the accumulation boundary; it sets ``optimizer.overflow``."""
         skipped = self.skipped_steps
         boundary = self.is_gradient_accumulation_boundary()
         # the keyword goes to the core only when given
@@ -146,33 +160,32 @@ class DeepSpeedEngine(Engine):
         return applied
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.is_gradient_accumulation_boundary``: whether the next
-        ``step()`` steps the optimizer (``set_gradient_accumulation_boundary`` overrides)."""
+        """DeepSpeed's `DeepSpeedEngine.is_gradient_accumulation_boundary`: the next step steps.
+
+        ``set_gradient_accumulation_boundary`` overrides the engine's count."""
         if self._boundary is not None:
             return self._boundary
         return super().is_gradient_accumulation_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.set_gradient_accumulation_boundary``: the caller
-        decides which backward reduces and which ``step()`` steps the optimizer."""
+        """DeepSpeed's `DeepSpeedEngine.set_gradient_accumulation_boundary`: set by the caller.
+
+        The caller decides which backward reduces and which ``step()`` steps the optimizer."""
         if not isinstance(is_boundary, bool):
             raise ValueError(f"set_gradient_accumulation_boundary(is_boundary={is_boundary!r})"
                              ": expected True or False")
         self._boundary = is_boundary
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """DeepSpeed's ``DeepSpeedEngine.no_sync``: ``Engine.no_sync`` (no gradient reduction
-        inside; stages 0-1 only, as DeepSpeed)."""
+        """DeepSpeed's `DeepSpeedEngine.no_sync`: `Engine.no_sync` (stages 0-1, as DeepSpeed)."""
         return self._core("no_sync")()
 
     def get_lr(self) -> list[float]:
-        """DeepSpeed's ``DeepSpeedEngine.get_lr``: each param group's ``lr`` (``[]`` without
-        an optimizer)."""
+        """DeepSpeed's `DeepSpeedEngine.get_lr`: each param group's lr ([] without optimizer)."""
         return self._group_values("lr")
 
     def get_mom(self) -> list[Any]:
-        """DeepSpeed's ``DeepSpeedEngine.get_mom``: each param group's ``momentum`` (SGD,
-        RMSprop) or ``betas`` (the others)."""
+        """DeepSpeed's `DeepSpeedEngine.get_mom`: each group's momentum (SGD, RMSprop) or betas."""
         sgd_like = isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop))
         return self._group_values("momentum" if sgd_like else "betas")
 
@@ -182,73 +195,75 @@ class DeepSpeedEngine(Engine):
         return [g.get(key, 0.0) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """DeepSpeed's ``DeepSpeedEngine.get_global_grad_norm``: ``engine.last_grad_norm``,
-        the global gradient norm of the last applied step (None before one)."""
+        """DeepSpeed's `DeepSpeedEngine.get_global_grad_norm`: `engine.last_grad_norm`.
+
+        The global gradient norm (before clipping) of the last applied step; None before."""
         return self.last_grad_norm
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.set_train_batch_size``: ``Engine.set_train_batch_size``
-        (the micro batch stays; the accumulation steps change)."""
+        """DeepSpeed's `DeepSpeedEngine.set_train_batch_size`: `Engine.set_train_batch_size`.
+
+        The micro batch stays; the gradient accumulation steps change."""
         self._core("set_train_batch_size")(train_batch_size)
 
     def get_batch_info(self) -> tuple[int, int, int]:
-        """DeepSpeed's ``DeepSpeedEngine.get_batch_info``: (train_batch_size, micro batch per
-        rank, gradient accumulation steps)."""
+        """DeepSpeed's `DeepSpeedEngine.get_batch_info`: (global, per-rank micro, accumulation)."""
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps())
 
     @property
     def global_samples(self) -> int:
-        """DeepSpeed's ``DeepSpeedEngine.global_samples``: samples of the steps taken."""
+        """DeepSpeed's `DeepSpeedEngine.global_samples`: samples of the steps taken."""
         return self.global_steps * self.train_batch_size()
 
     def destroy(self) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.destroy``: ``Engine.close`` (collective)."""
+        """DeepSpeed's `DeepSpeedEngine.destroy`: ``Engine.close`` (collective)."""
         self.close()
 
     # -- configuration queries -------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
-        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_stage``: ``zero_optimization.stage``."""
+        """DeepSpeed's `DeepSpeedEngine.zero_optimization_stage`: ``zero_optimization.stage``."""
         return self.zero_stage
 
     def zero_optimization(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.zero_optimization``: whether the ZeRO stage is > 0."""
+        """DeepSpeed's `DeepSpeedEngine.zero_optimization`: whether the ZeRO stage is > 0."""
         return self.zero_stage > 0
 
     def zero_optimization_partition_gradients(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_partition_gradients``: stage >= 2."""
+        """DeepSpeed's `DeepSpeedEngine.zero_optimization_partition_gradients`: stage >= 2."""
         return self.zero_stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.zero_optimization_partition_weights``: stage 3."""
+        """DeepSpeed's `DeepSpeedEngine.zero_optimization_partition_weights`: stage 3."""
         return self.zero_stage == 3
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.zero_gather_16bit_weights_on_model_save``: whether
-        ``save_16bit_model`` gathers and saves at stage 3: the config's
+        """DeepSpeed's `DeepSpeedEngine.zero_gather_16bit_weights_on_model_save`: True unless false.
+
+        Whether ``save_16bit_model`` gathers and saves at stage 3: the config's
         ``stage3_gather_16bit_weights_on_model_save``, True when not given (meshzero's
         default; DeepSpeed's is False)."""
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save \
             is not False
 
     def fp16_enabled(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.fp16_enabled``: ``fp16.enabled``."""
+        """DeepSpeed's `DeepSpeedEngine.fp16_enabled`: ``fp16.enabled``."""
         return bool(self.config.fp16.enabled)
 
     def bfloat16_enabled(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.bfloat16_enabled``: ``bf16.enabled``."""
+        """DeepSpeed's `DeepSpeedEngine.bfloat16_enabled`: ``bf16.enabled``."""
         return bool(self.config.bf16.enabled)
 
     def gradient_clipping(self) -> float:
-        """DeepSpeed's ``DeepSpeedEngine.gradient_clipping``: ``gradient_clipping``."""
+        """DeepSpeed's `DeepSpeedEngine.gradient_clipping`: ``gradient_clipping``."""
         return float(self.config.gradient_clipping)
 
     def steps_per_print(self) -> int:
-        """DeepSpeed's ``DeepSpeedEngine.steps_per_print``: ``steps_per_print``."""
+        """DeepSpeed's `DeepSpeedEngine.steps_per_print`: ``steps_per_print``."""
         return int(self.config.steps_per_print)
 
     def wall_clock_breakdown(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.wall_clock_breakdown``: ``wall_clock_breakdown``."""
+        """DeepSpeed's `DeepSpeedEngine.wall_clock_breakdown`: ``wall_clock_breakdown``."""
         return bool(self.config.wall_clock_breakdown)
 
     def _core(self, name: str) -> Callable[..., Any]:
@@ -261,38 +276,38 @@ class DeepSpeedEngine(Engine):
         return functools.partial(method, self)
 
     def get_data_parallel_group(self) -> Any:
-        """DeepSpeed's ``groups._get_data_parallel_group`` as the engine knows it: the
-        data-parallel process group (the world when dp is the whole world)."""
+        """DeepSpeed's `groups._get_data_parallel_group`: the engine's data-parallel group."""
         group = self.topology.dp_group
         return group if group is not None else dist.group.WORLD
 
     def get_data_parallel_rank(self) -> int:
-        """DeepSpeed's ``DeepSpeedEngine.get_data_parallel_rank``: this rank's dp index."""
+        """DeepSpeed's `DeepSpeedEngine.get_data_parallel_rank`: this rank's dp index."""
         return self.topology.dp_rank
 
     def get_model_parallel_rank(self) -> int:
-        """DeepSpeed's ``DeepSpeedEngine.get_model_parallel_rank``: this rank's tp index."""
+        """DeepSpeed's `DeepSpeedEngine.get_model_parallel_rank`: this rank's tp index."""
         return self.topology.coords["tp"]
 
     get_tensor_parallel_rank = get_model_parallel_rank
 
     # -- stage 3 ---------------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.empty_partition_cache``: release every gathered
-        stage-3 parameter (a no-op at stages 0-2)."""
+        """DeepSpeed's `DeepSpeedEngine.empty_partition_cache`: release gathered parameters.
+
+        Every gathered stage-3 unit is released (a no-op at stages 0-2)."""
         self.zero.after_step()
 
     def _zero3_consolidated_16bit_state_dict(
             self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """DeepSpeed's ``DeepSpeedEngine._zero3_consolidated_16bit_state_dict``:
-        ``Engine.consolidated_16bit_state_dict`` (collective; rank 0 gets the dict)."""
+        """DeepSpeed's `DeepSpeedEngine._zero3_consolidated_16bit_state_dict`: rank 0's full dict.
+
+        ``Engine.consolidated_16bit_state_dict`` (collective; the other ranks get {})."""
         return self._core("consolidated_16bit_state_dict")(
             exclude_frozen_parameters=exclude_frozen_parameters)
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.offload_states``: ``Engine.offload_states`` (to the
-        CPU, the one device DeepSpeed supports)."""
+        """DeepSpeed's `DeepSpeedEngine.offload_states`: `Engine.offload_states` (to the CPU)."""
         name = str(getattr(device, "value", device))
         if name != "cpu":
             raise ValueError(f"offload_states(device={name!r}): meshzero offloads states to "
@@ -301,15 +316,16 @@ class DeepSpeedEngine(Engine):
                                      non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """DeepSpeed's ``DeepSpeedEngine.reload_states``: ``Engine.reload_states``."""
+        """DeepSpeed's `DeepSpeedEngine.reload_states`: ``Engine.reload_states``."""
         self._core("reload_states")(non_blocking=non_blocking)
 
     # -- pipeline --------------------------------------------------------------------------------
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False,
                    compute_loss: bool = True, reduce_output: str | None = "avg",
                    bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
-        """DeepSpeed's ``PipelineEngine.eval_batch``: the pipeline forward only (no gradients,
-        no step) over ``gradient_accumulation_steps`` micro-batches; their mean loss."""
+        """DeepSpeed's `PipelineEngine.eval_batch`: the pipeline's forward only; the mean loss.
+
+        Over ``gradient_accumulation_steps`` micro-batches, without gradients or a step."""
         pipe = self.pipeline
         if pipe is None:
             raise ValueError("eval_batch() drives a pipeline (pipeline_parallel.size > 1); "
@@ -340,25 +356,22 @@ class DeepSpeedEngine(Engine):
 
     @property
     def is_pipe_parallel(self) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.is_pipe_parallel``: whether a pipeline runs."""
+        """DeepSpeed's `DeepSpeedEngine.is_pipe_parallel`: whether a pipeline runs."""
         return self.pipeline is not None
 
     def is_first_stage(self) -> bool:
-        """DeepSpeed's ``PipelineEngine.is_first_stage``: this rank holds the first stage
-        (True without a pipeline)."""
+        """DeepSpeed's `PipelineEngine.is_first_stage`: this rank runs the first stage."""
         return self.pipeline is None or self.pipeline.has_first_stage
 
     def is_last_stage(self) -> bool:
-        """DeepSpeed's ``PipelineEngine.is_last_stage``: this rank holds the last stage
-        (True without a pipeline)."""
+        """DeepSpeed's `PipelineEngine.is_last_stage`: this rank runs the last stage."""
         return self.pipeline is None or self.pipeline.has_last_stage
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,  # type: ignore[override]
                         client_state: Any = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.save_checkpoint``: ``Engine.save_checkpoint``
-        (collective); returns True, as DeepSpeed."""
+        """DeepSpeed's `DeepSpeedEngine.save_checkpoint`: `Engine.save_checkpoint`; True."""
         # the keywords go to the core only when not its default
         extra: dict[str, bool] = {}
         if not save_latest:
@@ -373,8 +386,10 @@ class DeepSpeedEngine(Engine):
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Callable | None = None) -> tuple[str | None, Any]:
-        """DeepSpeed's ``DeepSpeedEngine.load_checkpoint``: ``Engine.load_checkpoint`` with
-        DeepSpeed's keyword order (collective); returns ``(path, client_state)``."""
+        """DeepSpeed's `DeepSpeedEngine.load_checkpoint`: `Engine.load_checkpoint`, its order.
+
+        DeepSpeed's positional order (load_module_strict third); collective; returns
+        ``(path, client_state)``."""
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported: load the tag with "
@@ -392,10 +407,12 @@ class DeepSpeedEngine(Engine):
     def save_16bit_model(self, save_dir: str | os.PathLike,  # type: ignore[override]
                          save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.save_16bit_model``: ``Engine.save_16bit_model`` as
-        safetensors (a pickle name such as ``pytorch_model.bin`` is written as
-        ``model.safetensors`` / ``<stem>.safetensors``); True when saved, as DeepSpeed."""
-        name = safetensors_name(save_filename)
+        """DeepSpeed's `DeepSpeedEngine.save_16bit_model`: `Engine.save_16bit_model`; True.
+
+        Safetensors: a pickle name such as ``pytorch_model.bin`` is written as
+        ``model.safetensors`` (``<stem>.safetensors`` for another); returns True when it
+        saved, as DeepSpeed."""
+        name = _safetensors_name(save_filename)
         if name != save_filename:
             logger.info("save_16bit_model: writing %s instead of %s (meshzero writes "
                         "safetensors, never a pickle)", name, save_filename)
@@ -405,12 +422,11 @@ class DeepSpeedEngine(Engine):
 
     def save_fp16_model(self, save_dir: str | os.PathLike,
                         save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's ``DeepSpeedEngine.save_fp16_model``: the old name of
-        ``save_16bit_model``."""
+        """DeepSpeed's `DeepSpeedEngine.save_fp16_model`: the old name of `save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
 
 
-def safetensors_name(filename: str) -> str:
+def _safetensors_name(filename: str) -> str:
     """The safetensors file meshzero writes for DeepSpeed's ``save_filename``: Hugging Face's
     ``model.safetensors`` for ``pytorch_model.bin``, else ``<stem>.safetensors`` for a pickle
     suffix; any other name is kept."""

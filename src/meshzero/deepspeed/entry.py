@@ -1,5 +1,6 @@
-"""DeepSpeed's ``deepspeed.initialize``: every keyword it takes, mapped onto
-:func:`meshzero.initialize`, building a :class:`~meshzero.deepspeed.engine.DeepSpeedEngine`.
+"""DeepSpeed's `deepspeed.initialize`: every keyword it takes, mapped onto `meshzero.initialize`.
+
+The engine built is a :class:`~meshzero.deepspeed.engine.DeepSpeedEngine`.
 
 What the keywords become here (DeepSpeed's ``deepspeed/__init__.py: initialize``):
 
@@ -55,8 +56,10 @@ def initialize(
     mesh_param: tuple[int, int] | None = None,
     config_params: ConfigLike | None = None,
 ) -> tuple[DeepSpeedEngine, Any, Any, Any]:
-    """DeepSpeed's ``deepspeed.initialize``: :func:`meshzero.initialize` building a
-    ``DeepSpeedEngine``; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    """DeepSpeed's `deepspeed.initialize`: `meshzero.initialize` building a `DeepSpeedEngine`.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the module docstring
+    says what each keyword becomes."""
     if model is None:
         raise ValueError("deepspeed.initialize() needs model= (the torch.nn.Module to train)")
     if collate_fn is not None and training_data is None:

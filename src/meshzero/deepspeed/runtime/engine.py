@@ -1,5 +1,6 @@
-"""DeepSpeed's ``deepspeed.runtime.engine``: the import path real code uses for
-``DeepSpeedEngine`` and the optimizer / scheduler callable types."""
+"""DeepSpeed's `deepspeed.runtime.engine`: where real code imports `DeepSpeedEngine` from.
+
+It also has DeepSpeed's optimizer and scheduler callable types."""
 
 from __future__ import annotations
 
