@@ -16,7 +16,6 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +113,6 @@ class DeepSpeedEngine(Engine):
         self.dp_world_size: int = topo.dp_size
         self.mp_world_size: int = topo.tp_size
         self.step_overflowed = False  # the last optimizer step was skipped for inf/nan
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's value
         if self.optimizer is not None:
             _as_zero_optimizer(self.optimizer, self)
 
@@ -159,27 +157,6 @@ class DeepSpeedEngine(Engine):
             self.step_overflowed = self.skipped_steps > skipped
         return applied
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """DeepSpeed's `DeepSpeedEngine.is_gradient_accumulation_boundary`: the next step steps.
-
-        ``set_gradient_accumulation_boundary`` overrides the engine's count."""
-        if self._boundary is not None:
-            return self._boundary
-        return super().is_gradient_accumulation_boundary()
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """DeepSpeed's `DeepSpeedEngine.set_gradient_accumulation_boundary`: set by the caller.
-
-        The caller decides which backward reduces and which ``step()`` steps the optimizer."""
-        if not isinstance(is_boundary, bool):
-            raise ValueError(f"set_gradient_accumulation_boundary(is_boundary={is_boundary!r})"
-                             ": expected True or False")
-        self._boundary = is_boundary
-
-    def no_sync(self) -> AbstractContextManager[None]:
-        """DeepSpeed's `DeepSpeedEngine.no_sync`: `Engine.no_sync` (stages 0-1, as DeepSpeed)."""
-        return self._core("no_sync")()
-
     def get_lr(self) -> list[float]:
         """DeepSpeed's `DeepSpeedEngine.get_lr`: each param group's lr ([] without optimizer)."""
         return self._group_values("lr")
@@ -199,12 +176,6 @@ class DeepSpeedEngine(Engine):
 
         The global gradient norm (before clipping) of the last applied step; None before."""
         return self.last_grad_norm
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """DeepSpeed's `DeepSpeedEngine.set_train_batch_size`: `Engine.set_train_batch_size`.
-
-        The micro batch stays; the gradient accumulation steps change."""
-        self._core("set_train_batch_size")(train_batch_size)
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """DeepSpeed's `DeepSpeedEngine.get_batch_info`: (global, per-rank micro, accumulation)."""
