@@ -274,9 +274,8 @@ def _stage3_surface(rank, world_size):
     with pytest.raises(ValueError, match="eval_batch.. drives a pipeline"):
         engine.eval_batch(iter([]))
     if _core_has("consolidated_16bit_state_dict"):
-        full = engine._zero3_consolidated_16bit_state_dict()
-        out["consolidated"] = (sorted(full) == sorted(engine.full_state_dict())
-                               if rank == 0 else full == {})
+        full, names = engine._zero3_consolidated_16bit_state_dict(), engine.full_state_dict()
+        out["consolidated"] = sorted(full) == sorted(names) if rank == 0 else full == {}
     if _core_has("offload_states"):
         before = engine.full_state_dict()
         engine.offload_states()
