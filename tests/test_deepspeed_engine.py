@@ -71,6 +71,7 @@ def _deepspeed_loop(rank, world_size, stage):
             x, y = split_for_rank(batch, rank, world_size, GAS, micro)
             loss = mlp_loss(engine(x), y)
             seen["returned"] = (engine.backward(loss).item(), loss.item() / GAS)
+            engine.allreduce_gradients()  # Megatron's call: backward has reduced already
             engine.step()
     seen.update(
         engine_type=type(engine).__name__, loader=loader, sched=sched,
@@ -89,7 +90,9 @@ def _deepspeed_loop(rank, world_size, stage):
         boundary=engine.is_gradient_accumulation_boundary(),
         passthrough=(engine.config_class, engine.blocks is model.blocks,
                      engine.generate(torch.zeros(1, 7)).shape),
-        gather16=engine.zero_gather_16bit_weights_on_model_save())
+        gather16=engine.zero_gather_16bit_weights_on_model_save(),
+        optimizer_name=engine.optimizer_name(),
+        dp_group_size=dist.get_world_size(engine.get_data_parallel_group()))
     with pytest.raises(AttributeError, match="GenerativeMLP have no attribute 'no_such'"):
         engine.no_such  # noqa: B018
     params = engine.full_state_dict()
@@ -106,7 +109,9 @@ def test_deepspeed_loop_trains_like_torch(tmp_path, stage, world_size):
     ``backward`` returns loss / gas (``backward``: gas_scaled_loss), ``get_lr``/``get_mom``
     list each group's lr / betas (``_get_optimizer_param``), ``zero_optimization*`` from the
     stage, ``get_global_grad_norm`` the last step's pre-clip norm, ``__getattr__`` falls
-    through to the module, ``get_batch_info``, ``global_samples``."""
+    through to the module, ``get_batch_info``, ``global_samples``, ``optimizer_name`` (the
+    config's type lower-cased: runtime/config.py), ``allreduce_gradients`` after a boundary
+    backward changes nothing (DeepSpeed's reduces only at the boundary, once)."""
     ref = _reference()
     for rank, (params, seen) in enumerate(run_distributed(_deepspeed_loop, world_size, tmp_path,
                                                           stage)):
@@ -130,15 +135,17 @@ def test_deepspeed_loop_trains_like_torch(tmp_path, stage, world_size):
         assert seen["boundary"] is False  # the next micro-step opens a new window
         assert seen["passthrough"] == ("MLPConfig", True, torch.Size([1]))
         assert seen["gather16"] is True  # not given: meshzero's save_16bit_model saves
+        assert seen["optimizer_name"] == "adamw" and seen["dp_group_size"] == world_size
 
 
 # -- accumulation the caller drives --------------------------------------------------------------
 def _manual_accumulation(rank, world_size, modes):
     import meshzero.deepspeed as deepspeed
 
-    out = {}
+    out, engines = {}, []  # destroyed at the end (a rebuild after close: see the report)
     for mode in modes:
         engine, *_ = deepspeed.initialize(model=_model(), config=_config(2))
+        engines.append(engine)
         returned = []
         for batch in make_batches("mlp", STEPS, 8):
             for micro in range(GAS):
@@ -154,6 +161,7 @@ def _manual_accumulation(rank, world_size, modes):
             if mode == "boundary":
                 engine.step()
         out[mode] = (engine.full_state_dict(), engine.global_steps, returned)
+    for engine in engines:
         engine.destroy()
     return out
 
@@ -275,7 +283,9 @@ def _stage3_surface(rank, world_size):
         engine.eval_batch(iter([]))
     if _core_has("consolidated_16bit_state_dict"):
         full, names = engine._zero3_consolidated_16bit_state_dict(), engine.full_state_dict()
-        out["consolidated"] = sorted(full) == sorted(names) if rank == 0 else full == {}
+        also = engine._consolidated_16bit_state_dict()
+        out["consolidated"] = (sorted(full) == sorted(names) == sorted(also) if rank == 0
+                               else full == also == {})
     if _core_has("offload_states"):
         before = engine.full_state_dict()
         engine.offload_states()
@@ -303,9 +313,10 @@ def test_stage3_surface(tmp_path):
 def _core_surface(rank, world_size):
     import meshzero.deepspeed as deepspeed
 
-    out = {}
+    out, engines = {}, []
     for stage in (1, 2):
         engine, *_ = deepspeed.initialize(model=_model(), config=_config(stage))
+        engines.append(engine)
         try:
             with engine.no_sync():
                 x, y = split_for_rank(make_batches("mlp", 1, 8)[0], rank, world_size, GAS, 0)
@@ -313,13 +324,13 @@ def _core_surface(rank, world_size):
             out[stage] = "ok"
         except Exception as exc:  # noqa: BLE001 (the core's own error type)
             out[stage] = str(exc)
-        engine.destroy()
     engine, *_ = deepspeed.initialize(model=_model(), config=_config(1))
     engine.set_train_batch_size(16)
     out["batch"] = engine.get_batch_info()
     with pytest.raises(ValueError):
         engine.set_train_batch_size(6)
-    engine.destroy()
+    for built in [*engines, engine]:
+        built.destroy()
     return out
 
 
@@ -429,11 +440,16 @@ def _initialize_keywords(rank, world_size, config_path):
                                       mpu=FakeMPU(tp=1, dp=world_size),
                                       mesh_param=(world_size, 1))
     out["args"] = (args.local_rank, engine.local_rank, engine.zero_optimization_stage())
+    first = engine
+    cfg = _config(1)
+    del cfg["optimizer"]
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, config_params=cfg, dist_init_required=False,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    out["config_params"] = (engine.zero_optimization_stage(), engine.optimizer_name(),
+                            engine.get_mom())
     engine.destroy()
-    engine, *_ = deepspeed.initialize(model=_model(), config_params=_config(1),
-                                      dist_init_required=False)
-    out["config_params"] = engine.zero_optimization_stage()
-    engine.destroy()
+    first.destroy()
     return out
 
 
@@ -442,12 +458,13 @@ def test_initialize_keywords(tmp_path):
     is set to the engine's (runtime/engine.py ``_configure_with_arguments``); an mpu of
     tensor and pipeline size 1 over the whole world maps; ``mesh_param`` (dp, sp) covers the
     world; ``config_params`` is the config when ``config`` is None; dist_init_required=False
-    with a group works."""
+    with a group works; a client optimizer's class name is ``optimizer_name`` and ``get_mom``
+    lists SGD's momentum (runtime/engine.py: optimizer_name, get_mom)."""
     path = tmp_path / "ds_config.json"
     path.write_text(__import__("json").dumps(_config(2)))
     for rank, out in enumerate(run_distributed(_initialize_keywords, 2, tmp_path, str(path))):
         assert out["args"] == (rank, rank, 2)
-        assert out["config_params"] == 1
+        assert out["config_params"] == (1, "SGD", [0])
 
 
 def _training_data(rank, world_size):

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # DeepSpeed's default ``save_16bit_model`` file name: a pickle. meshzero writes safetensors.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+# the config optimizer types DeepSpeed lower-cases (runtime/config.py: DEEPSPEED_OPTIMIZERS)
+_DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb",
+                         "zerooneadam", "muadam", "muadamw", "musgd", "lion", "muon"}
 
 
 class _ZeroOptimizerView:
@@ -113,6 +116,9 @@ class DeepSpeedEngine(Engine):
         self.dp_world_size: int = topo.dp_size
         self.mp_world_size: int = topo.tp_size
         self.step_overflowed = False  # the last optimizer step was skipped for inf/nan
+        client = kwargs.get("optimizer")  # the caller's optimizer, its class, or a factory
+        self._client_optimizer_name = None if client is None else (
+            client.__name__ if isinstance(client, type) else type(client).__name__)
         if self.optimizer is not None:
             _as_zero_optimizer(self.optimizer, self)
 
@@ -176,6 +182,34 @@ class DeepSpeedEngine(Engine):
 
         The global gradient norm (before clipping) of the last applied step; None before."""
         return self.last_grad_norm
+
+    def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
+        """DeepSpeed's `DeepSpeedEngine.allreduce_gradients`: nothing left: backward reduced.
+
+        meshzero reduces (stages 0-1) or reduce-scatters (2-3) the gradients in the backward
+        at the accumulation boundary, in the config's ``reduce_bucket_size`` buckets
+        (``bucket_size`` is DeepSpeed's own fallback's); DeepSpeed's also reduces only at
+        the boundary. After a backward inside ``no_sync()`` it is refused: that reduction
+        happens in the boundary's backward outside the block."""
+        held = getattr(Engine, "reduces_in_backward", None)  # False inside no_sync()
+        if held is not None and self.is_gradient_accumulation_boundary() and not held(self):
+            raise ValueError("allreduce_gradients() inside no_sync(): meshzero reduces the "
+                             "held gradients in the first backward at the accumulation "
+                             "boundary outside the block; call backward there instead")
+
+    def optimizer_name(self) -> str | None:
+        """DeepSpeed's `DeepSpeedEngine.optimizer_name`: the caller's optimizer class, or the type.
+
+        The class name of the optimizer given to ``initialize``, else the config's
+        ``optimizer.type`` (lower-cased when DeepSpeed knows it: runtime/config.py); None
+        without an optimizer."""
+        if self._client_optimizer_name is not None:
+            return self._client_optimizer_name
+        optimizer = self.config.optimizer
+        if optimizer is None:
+            return None
+        name = str(optimizer.type)
+        return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """DeepSpeed's `DeepSpeedEngine.get_batch_info`: (global, per-rank micro, accumulation)."""
@@ -276,13 +310,26 @@ class DeepSpeedEngine(Engine):
         return self._core("consolidated_16bit_state_dict")(
             exclude_frozen_parameters=exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(
+            self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's `DeepSpeedEngine._consolidated_16bit_state_dict`: rank 0's full dict.
+
+        ``Engine.consolidated_16bit_state_dict`` at any stage (DeepSpeed's needs stage 3 or
+        AutoTP); collective; the other ranks get {}."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
-        """DeepSpeed's `DeepSpeedEngine.offload_states`: `Engine.offload_states` (to the CPU)."""
+        """DeepSpeed's `DeepSpeedEngine.offload_states`: `Engine.offload_states` (to the CPU).
+
+        ``include`` and ``device`` take DeepSpeed's ``OffloadStateTypeEnum`` /
+        ``OffloadDeviceEnum`` members or their string values."""
         name = str(getattr(device, "value", device))
         if name != "cpu":
             raise ValueError(f"offload_states(device={name!r}): meshzero offloads states to "
                              "the CPU only (as DeepSpeed); pass device='cpu'")
+        if include is not None:  # enum members as their names, the core's spelling
+            include = [str(getattr(item, "value", item)) for item in include]
         self._core("offload_states")(include=include, pin_memory=pin_memory,
                                      non_blocking=non_blocking)
 
