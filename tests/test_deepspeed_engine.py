@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import meshzero
+from meshzero.deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from meshzero.deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, zero_config
 from tests.models import MLPStack, make_batches, mlp_loss, reference_train, split_for_rank
@@ -76,6 +78,7 @@ def _deepspeed_loop(rank, world_size, stage):
     seen.update(
         engine_type=type(engine).__name__, loader=loader, sched=sched,
         opt_is_adamw=isinstance(opt, torch.optim.AdamW), same_opt=opt is engine.optimizer,
+        opt_classes=(isinstance(opt, DeepSpeedOptimizer), isinstance(opt, BF16_Optimizer)),
         overflow=opt.overflow, cur_scale=opt.cur_scale, lr=engine.get_lr(),
         mom=engine.get_mom(), norm=engine.get_global_grad_norm(),
         stage=engine.zero_optimization_stage(), zero=engine.zero_optimization(),
@@ -121,7 +124,7 @@ def test_deepspeed_loop_trains_like_torch(tmp_path, stage, world_size):
         assert got == pytest.approx(want)
         assert seen["engine_type"] == "DeepSpeedEngine"
         assert seen["loader"] is None and seen["sched"] is None
-        assert seen["opt_is_adamw"] and seen["same_opt"]
+        assert seen["opt_is_adamw"] and seen["same_opt"] and seen["opt_classes"] == (True, False)
         assert (seen["overflow"], seen["cur_scale"]) == (False, 1.0)
         assert seen["lr"] == [1e-2] and seen["mom"] == [(0.9, 0.999)]
         assert seen["norm"] == pytest.approx(ref.grad_norms[-1], rel=1e-5)
@@ -202,8 +205,11 @@ def _fp16_overflow(rank, world_size):
         engine.step()
         seen.append((opt.overflow, opt.cur_scale, opt.loss_scale, engine.was_step_applied()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # a scheduler accepts it
+    bf16 = zero_config(1, global_batch=4, bf16={"enabled": True})
+    _, bf16_opt, _, _ = deepspeed.initialize(model=_model(), config=bf16)
     kinds = (isinstance(opt, torch.optim.AdamW), type(opt).__name__, sorted(opt.state_dict()),
-             len(opt.param_groups), sched.get_last_lr(), engine.fp16_enabled())
+             len(opt.param_groups), sched.get_last_lr(), engine.fp16_enabled(),
+             isinstance(opt, BF16_Optimizer), isinstance(bf16_opt, BF16_Optimizer))
     engine.destroy()
     return seen, kinds
 
@@ -212,11 +218,13 @@ def test_fp16_overflow_and_cur_scale_on_the_returned_optimizer(tmp_path):
     """DeepSpeed's ZeRO optimizer (runtime/zero/stage_1_and_2.py: ``step`` sets
     ``self.overflow`` and skips; ``cur_scale`` / ``loss_scale`` read the loss scaler; dynamic
     scaling halves the scale on an overflow with hysteresis 1) as attributes of the optimizer
-    ``initialize`` returns, which stays a torch.optim.AdamW a scheduler can wrap."""
+    ``initialize`` returns, which stays a torch.optim.AdamW a scheduler can wrap; it is a
+    ``BF16_Optimizer`` where DeepSpeed's would be (bf16 at stage 1: runtime/engine.py
+    ``_do_optimizer_sanity_check``), else not."""
     for seen, kinds in run_distributed(_fp16_overflow, 2, tmp_path):
         assert seen == [(False, 256.0, 256.0, True), (True, 128.0, 128.0, False),
                         (False, 128.0, 128.0, True)]
-        assert kinds == (True, "AdamW", ["param_groups", "state"], 1, [1e-2], True)
+        assert kinds == (True, "AdamW", ["param_groups", "state"], 1, [1e-2], True, False, True)
 
 
 # -- checkpoints: DeepSpeed's keyword order ------------------------------------------------------
@@ -267,7 +275,11 @@ def _stage3_surface(rank, world_size):
     import meshzero.deepspeed as deepspeed
 
     cfg = _config(3, zero_optimization={"stage3_gather_16bit_weights_on_model_save": False})
-    engine, *_ = deepspeed.initialize(model=_model(), config=cfg)
+    engine, opt, _, _ = deepspeed.initialize(model=_model(), config=cfg)
+    offload = opt.parameter_offload  # TRL's remove_hooks / add_hooks around generation
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload._register_deepspeed_module(offload.module)
     out = {"saved_without_gather": (engine.save_16bit_model("unused"),
                                     engine.zero_gather_16bit_weights_on_model_save())}
     params = list(engine.module.parameters())
@@ -301,7 +313,8 @@ def test_stage3_surface(tmp_path):
     False without stage3_gather_16bit_weights_on_model_save; ``empty_partition_cache``
     releases every gathered parameter (stage3.py -> parameter_offload.py:
     partition_all_parameters); ``offload_states`` refuses a device other than the CPU;
-    ``_zero3_consolidated_16bit_state_dict`` gives rank 0 the full dict, the others {}."""
+    ``_zero3_consolidated_16bit_state_dict`` gives rank 0 the full dict, the others {};
+    ``optimizer.parameter_offload`` takes TRL's hook removal and re-registration."""
     for out in run_distributed(_stage3_surface, 2, tmp_path):
         assert out["saved_without_gather"] == (False, False)
         assert out["gathered_then_freed"] == (True, True)

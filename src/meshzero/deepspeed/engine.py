@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshzero.deepspeed.runtime.base_optimizer import ZeROOptimizer
+from meshzero.deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from meshzero.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ _DEEPSPEED_OPTIMIZERS = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "oneb
                          "zerooneadam", "muadam", "muadamw", "musgd", "lion", "muon"}
 
 
-class _ZeroOptimizerView:
+class _ZeroOptimizerView(ZeROOptimizer):
     """DeepSpeed's `DeepSpeedZeroOptimizer`: the engine's own optimizer with its attributes.
 
     Mixed into a subclass of the optimizer's class (made once per class), so the optimizer
@@ -65,6 +67,18 @@ class _ZeroOptimizerView:
         """DeepSpeed's `DeepSpeedZeroOptimizer.loss_scale`: the loss scale (1.0 without fp16)."""
         return self.cur_scale
 
+    @property
+    def parameter_offload(self) -> _ParameterOffload:
+        """DeepSpeed's `DeepSpeedZeroOptimizer_Stage3.parameter_offload`: its hook lists, empty.
+
+        TRL removes and re-registers the ZeRO-3 hooks around generation inside
+        ``GatheredParameters``; meshzero's hooks find the units gathered there and do
+        nothing, so they stay and there is nothing to remove (stage 3 only, as DeepSpeed)."""
+        engine = self._engine()
+        if engine is None or engine.zero_stage != 3:
+            raise AttributeError("parameter_offload exists at zero_optimization.stage 3 only")
+        return _ParameterOffload(engine.module)
+
     def _partition_all_parameters(self) -> None:
         """DeepSpeed's `DeepSpeedZeroOptimizer_Stage3._partition_all_parameters`: release all.
 
@@ -74,19 +88,38 @@ class _ZeroOptimizerView:
             engine.empty_partition_cache()
 
 
-_VIEW_CLASSES: dict[type, type] = {}
+class _ParameterOffload:
+    """DeepSpeed's ``DeepSpeedZeRoOffload`` as TRL drives it: the module and its hook lists."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.forward_hooks: list[Any] = []
+        self.backward_hooks: list[Any] = []
+
+    def _register_deepspeed_module(self, module: torch.nn.Module, count: Any = None) -> None:
+        """meshzero's stage-3 hooks were never removed: nothing to register again."""
+
+    _register_hooks_recursively = _register_deepspeed_module
+
+
+_VIEW_CLASSES: dict[tuple[type, bool], type] = {}
 
 
 def _as_zero_optimizer(optimizer: torch.optim.Optimizer, engine: DeepSpeedEngine) -> None:
     """Give ``optimizer`` (in place) DeepSpeed's ZeRO-optimizer attributes, read from
     ``engine``: its class becomes a subclass of its class with :class:`_ZeroOptimizerView`."""
     cls = type(optimizer)
+    config = engine.config
+    # where DeepSpeed wraps the optimizer in its BF16_Optimizer (_do_optimizer_sanity_check)
+    bf16 = bool(config.bf16.enabled and engine.zero_stage == 1
+                and config.zero_optimization.offload_optimizer.device in (None, "none"))
     if not isinstance(optimizer, _ZeroOptimizerView):
-        view = _VIEW_CLASSES.get(cls)
+        view = _VIEW_CLASSES.get((cls, bf16))
         if view is None:
-            view = type(cls.__name__, (_ZeroOptimizerView, cls),
+            bases = (_ZeroOptimizerView, BF16_Optimizer, cls) if bf16 else (_ZeroOptimizerView, cls)
+            view = type(cls.__name__, bases,
                         {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            _VIEW_CLASSES[cls] = view
+            _VIEW_CLASSES[cls, bf16] = view
         optimizer.__class__ = view
     optimizer.__dict__["_meshzero_engine"] = weakref.ref(engine)
 
