@@ -373,26 +373,30 @@ def _pipeline_eval(rank, world_size):
     loss = engine.eval_batch(iter(micro))
     untouched = (engine.global_steps, engine.module.training,
                  all(p.grad is None for p in engine.module.parameters()))
-    with pytest.raises(NotImplementedError, match="return_logits=True"):
-        engine.eval_batch(iter(micro), return_logits=True)
+    _, logits = engine.eval_batch(iter(micro), return_logits=True)
+    logits = None if logits is None else logits.shape
+    with pytest.raises(NotImplementedError, match="num_micro_batches=3"):
+        engine.eval_batch(iter(micro), num_micro_batches=3)
     trained = engine.train_batch(iter(micro))  # the same weights: the same loss
     stages = (engine.is_pipe_parallel, engine.is_first_stage(), engine.is_last_stage())
     engine.destroy()
-    return loss.item(), trained.item(), untouched, stages
+    return loss.item(), trained.item(), untouched, stages, logits
 
 
 def test_eval_batch_runs_the_pipeline_forward_only(tmp_path):
     """DeepSpeed's ``PipelineEngine.eval_batch`` (runtime/pipe/engine.py: the inference
     schedule over the micro-batches under no_grad, the mean loss broadcast to every stage;
-    no step) on meshzero's pipeline, and ``is_first_stage`` / ``is_last_stage``."""
+    no step; ``return_logits``: the last stage's outputs too) on meshzero's pipeline, and
+    ``is_first_stage`` / ``is_last_stage``."""
     from tests.test_pipeline import _mlp_chain
 
     x, y = make_batches("mlp", 1, 8)[0]
     with torch.no_grad():
         want = mlp_loss(_mlp_chain()(x), y).item()
-    for rank, (loss, trained, untouched, stages) in enumerate(
+    for rank, (loss, trained, untouched, stages, logits) in enumerate(
             run_distributed(_pipeline_eval, 2, tmp_path)):
         assert loss == pytest.approx(want, rel=1e-6) and trained == pytest.approx(loss)
+        assert logits == (torch.Size([8, 5]) if rank == 1 else None)  # the last stage's
         assert untouched == (0, True, True)
         assert stages == (True, rank == 0, rank == 1)
 

@@ -376,13 +376,14 @@ class DeepSpeedEngine(Engine):
                    bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
         """DeepSpeed's `PipelineEngine.eval_batch`: the pipeline's forward only; the mean loss.
 
-        Over ``gradient_accumulation_steps`` micro-batches, without gradients or a step."""
+        Over ``gradient_accumulation_steps`` micro-batches, without gradients or a step;
+        ``return_logits=True``: ``(loss, outputs)``, the outputs on the last stage's rank
+        (None on the others), as DeepSpeed."""
         pipe = self.pipeline
         if pipe is None:
             raise ValueError("eval_batch() drives a pipeline (pipeline_parallel.size > 1); "
                              "without one evaluate with `with torch.no_grad(): engine(x)`")
         refused = [f"{k}={v!r}" for k, v, ok in (
-            ("return_logits", return_logits, not return_logits),
             ("compute_loss", compute_loss, compute_loss),
             ("reduce_output", reduce_output, reduce_output == "avg"),
             ("num_micro_batches", num_micro_batches,
@@ -391,7 +392,7 @@ class DeepSpeedEngine(Engine):
             raise NotImplementedError(
                 f"eval_batch({', '.join(refused)}) is not supported: meshzero's pipeline "
                 f"evaluates the mean loss over its {pipe.micro_batches} micro-batches "
-                "(static shapes); for outputs run the model without pipeline_parallel")
+                "(static shapes)")
         inputs = targets = None
         if pipe.has_first_stage or pipe.has_last_stage:
             items = [next(data_iter) for _ in range(pipe.micro_batches)]
@@ -400,10 +401,11 @@ class DeepSpeedEngine(Engine):
         training = self.module.training
         self.module.eval()  # as DeepSpeed; the mode is restored after (train_batch keeps it)
         try:
-            loss = pipe.evaluate(inputs, targets)
+            mean, logits = pipe.evaluate(inputs, targets)
         finally:
             self.module.train(training)
-        return loss if bcast_loss or pipe.has_last_stage else None
+        loss = mean if bcast_loss or pipe.has_last_stage else None
+        return (loss, logits) if return_logits else loss
 
     @property
     def is_pipe_parallel(self) -> bool:
