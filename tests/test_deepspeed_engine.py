@@ -17,6 +17,7 @@ import torch.distributed as dist
 import meshzero
 from meshzero.deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from meshzero.deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from meshzero.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, zero_config
 from tests.models import MLPStack, make_batches, mlp_loss, reference_train, split_for_rank
@@ -290,7 +291,7 @@ def _stage3_surface(rank, world_size):
     out["gathered_then_freed"] = (any(held),
                                   all(p.untyped_storage().size() == 0 for p in params))
     with pytest.raises(ValueError, match="device='nvme'"):
-        engine.offload_states(device="nvme")
+        engine.offload_states(device=OffloadDeviceEnum.nvme)
     with pytest.raises(ValueError, match="eval_batch.. drives a pipeline"):
         engine.eval_batch(iter([]))
     if _core_has("consolidated_16bit_state_dict"):
@@ -300,7 +301,9 @@ def _stage3_surface(rank, world_size):
                                else full == also == {})
     if _core_has("offload_states"):
         before = engine.full_state_dict()
-        engine.offload_states()
+        engine.offload_states(include=[OffloadStateTypeEnum.optim_states,
+                                       OffloadStateTypeEnum.hp_params],
+                              device=OffloadDeviceEnum.cpu, pin_memory=False)
         engine.reload_states()
         after = engine.full_state_dict()
         out["offload_roundtrip"] = all(torch.equal(before[k], after[k]) for k in before)
@@ -312,7 +315,8 @@ def test_stage3_surface(tmp_path):
     """DeepSpeed's stage-3 engine methods (runtime/engine.py): ``save_16bit_model`` returns
     False without stage3_gather_16bit_weights_on_model_save; ``empty_partition_cache``
     releases every gathered parameter (stage3.py -> parameter_offload.py:
-    partition_all_parameters); ``offload_states`` refuses a device other than the CPU;
+    partition_all_parameters); ``offload_states`` takes DeepSpeed's enums
+    (runtime/zero/offload_config.py) and refuses a device other than the CPU;
     ``_zero3_consolidated_16bit_state_dict`` gives rank 0 the full dict, the others {};
     ``optimizer.parameter_offload`` takes TRL's hook removal and re-registration."""
     for out in run_distributed(_stage3_surface, 2, tmp_path):
