@@ -9,6 +9,7 @@ import argparse
 import copy
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,20 +252,33 @@ def _checkpoints(rank, world_size, save_dir):
     steps_kept = {int(s["step"]) for s in opt.state.values()}  # optimizer state not loaded
     restored = engine.full_state_dict()
     written = (engine.save_16bit_model(save_dir), engine.save_16bit_model(save_dir, "actor.pt"))
+    keywords = None
+    if _core_takes("load_checkpoint", "load_module_only"):  # the core's keywords (ckpt)
+        engine.save_checkpoint(save_dir, "two", save_latest=False,
+                               exclude_frozen_parameters=True)
+        latest = (Path(save_dir) / "latest").read_text().strip()
+        found, _ = engine.load_checkpoint(save_dir, "two", load_module_strict=False,
+                                          load_module_only=True)
+        keywords = (latest, found is not None,
+                    engine.save_16bit_model(save_dir, "frozen_out.bin",
+                                            exclude_frozen_parameters=True))
     engine.destroy()
     return (saved, path is not None, client, steps_kept, written,
-            all(torch.equal(restored[k], v) for k, v in after_one.items()))
+            all(torch.equal(restored[k], v) for k, v in after_one.items()), keywords)
 
 
 def test_checkpoint_methods_take_deepspeeds_arguments(tmp_path):
     """DeepSpeed's ``save_checkpoint`` (returns True), ``load_checkpoint`` (positional order
     load_dir, tag, load_module_strict, load_optimizer_states, ...; returns (path,
     client_state)) and ``save_16bit_model`` (default ``pytorch_model.bin``; True when saved),
-    all in runtime/engine.py; meshzero writes safetensors for a pickle file name."""
+    all in runtime/engine.py, with the keywords real code passes (save_latest,
+    exclude_frozen_parameters, load_module_strict, load_module_only); meshzero writes
+    safetensors for a pickle file name."""
     save_dir = str(tmp_path / "ckpt")
     for out in run_distributed(_checkpoints, 2, tmp_path, save_dir):
-        saved, found, client, steps_kept, written, restored = out
+        saved, found, client, steps_kept, written, restored, keywords = out
         assert saved is True and found and client == {"epoch": 1}
+        assert keywords in (None, ("one", True, True))  # save_latest=False kept 'one' latest
         assert steps_kept == {2} and restored
         assert written == (True, True)
     names = sorted(os.listdir(save_dir))
@@ -288,7 +302,11 @@ def _stage3_surface(rank, world_size):
         pass
     held = [p.untyped_storage().size() > 0 for p in params]
     engine.empty_partition_cache()
-    out["gathered_then_freed"] = (any(held),
+    freed = all(p.untyped_storage().size() == 0 for p in params)
+    with engine.gathered(params):
+        pass
+    opt._partition_all_parameters()  # Lightning's call before loading a checkpoint
+    out["gathered_then_freed"] = (any(held), freed,
                                   all(p.untyped_storage().size() == 0 for p in params))
     with pytest.raises(ValueError, match="device='nvme'"):
         engine.offload_states(device=OffloadDeviceEnum.nvme)
@@ -321,7 +339,7 @@ def test_stage3_surface(tmp_path):
     ``optimizer.parameter_offload`` takes TRL's hook removal and re-registration."""
     for out in run_distributed(_stage3_surface, 2, tmp_path):
         assert out["saved_without_gather"] == (False, False)
-        assert out["gathered_then_freed"] == (True, True)
+        assert out["gathered_then_freed"] == (True, True, True)
         assert out.get("consolidated", True) is True
         assert out.get("offload_roundtrip", True) is True
 
