@@ -478,6 +478,7 @@ def initialize(
     loss_fn: Callable | None = None,
     example_inputs: Any = None,
     pipeline_layout: Any = None,
+    engine_class: type[Engine] | None = None,
 ) -> tuple[Engine, torch.optim.Optimizer, None, Any]:
     """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
@@ -491,6 +492,8 @@ def initialize(
     ``example_inputs`` (one micro-batch of the model's inputs) and optionally
     ``pipeline_layout`` (a :class:`meshzero.parallel.pipeline.PipelineLayout`, for models
     whose first stage is more than running modules in order) are required/used.
+
+    ``engine_class``: the :class:`Engine` subclass to build (default :class:`Engine`).
     """
     if model is None:
         raise ValueError("initialize() needs model=")
@@ -505,7 +508,8 @@ def initialize(
     if config is None:
         raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
     cfg = load_config(config, model=model, tp_plan=lambda: _shipped_plan(model))
-    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+    engine_class = engine_class or Engine
+    engine = engine_class(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                     lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                     pipeline_layout=pipeline_layout)
     return engine, engine.optimizer, None, engine.lr_scheduler

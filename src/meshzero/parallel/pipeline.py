@@ -234,6 +234,32 @@ class Pipeline:
             loss = torch.stack(self._losses[-self.micro_batches:]).float().mean()
         return self.broadcast_loss(loss) if broadcast_loss else loss
 
+    def evaluate(
+        self,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, object]:
+        """Forward only, without gradients, over ``micro_batches`` micro-batches of the local
+        batch (taken as :meth:`step` takes them): ``(mean loss on every rank of the pp group,
+        the model's outputs of the whole batch on the last stage's rank, else None)``; a
+        collective."""
+        if not hasattr(self.schedule, "eval"):
+            raise NotImplementedError("evaluating a pipeline needs torch's schedule.eval "
+                                      f"(a newer torch than {torch.__version__})")
+        args = self._check_inputs(inputs) if self.has_first_stage else ()
+        target = None
+        if self.has_last_stage:
+            if targets is None:
+                raise ValueError("Pipeline.evaluate needs targets on the rank of the last stage")
+            target = self._check_batch(targets, "targets")
+        self._losses.clear()
+        with torch.no_grad():
+            outputs = self.schedule.eval(*args, target=target)
+        loss = None
+        if self.has_last_stage:
+            loss = torch.stack(self._losses[-self.micro_batches:]).float().mean()
+        return self.broadcast_loss(loss), outputs if self.has_last_stage else None
+
     def _check_batch(self, batch: torch.Tensor, what: str) -> torch.Tensor:
         if batch.dim() == 0 or batch.shape[0] % self.micro_batches:
             raise ValueError(

@@ -1,12 +1,13 @@
-"""``deepspeed.runtime.bf16_optimizer``: the class gpt-neox checks the optimizer against."""
+"""DeepSpeed's `deepspeed.runtime.bf16_optimizer`: the class `isinstance` checks ask about."""
 
 from __future__ import annotations
 
-from meshzero.deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from meshzero.deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 
-class BF16_Optimizer(DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
-    """DeepSpeed's `deepspeed.runtime.bf16_optimizer.BF16_Optimizer`: DeepSpeed's bf16
-    wrapper for stages 0-1; meshzero has no such wrapper (bf16 is the engine's compute dtype
-    at every stage), so no optimizer is an instance and `isinstance` checks take their other
-    branch."""
+class BF16_Optimizer(ZeROOptimizer):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's `deepspeed.runtime.bf16_optimizer.BF16_Optimizer`: a base for isinstance.
+
+    The optimizer ``deepspeed.initialize`` returns is one where DeepSpeed would wrap it in
+    BF16_Optimizer: bf16 at ZeRO stage 1 without optimizer offload (runtime/engine.py:
+    ``_do_optimizer_sanity_check``)."""

@@ -1,5 +1,4 @@
-"""``deepspeed.runtime.zero.offload_config``: the enums RLHF code passes to
-``offload_states`` (``OffloadDeviceEnum.cpu``, ``OffloadStateTypeEnum.optim_states``)."""
+"""DeepSpeed's `deepspeed.runtime.zero.offload_config`: the enums `offload_states` takes."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ from enum import Enum
 
 
 class OffloadDeviceEnum(str, Enum):
-    """DeepSpeed's `deepspeed.runtime.zero.offload_config.OffloadDeviceEnum`: where an
-    offload goes; the string values of the config's `offload_*.device`."""
+    """DeepSpeed's `deepspeed.runtime.zero.offload_config.OffloadDeviceEnum`: offload devices."""
 
     none = "none"
     cpu = "cpu"
@@ -16,8 +14,10 @@ class OffloadDeviceEnum(str, Enum):
 
 
 class OffloadStateTypeEnum(str, Enum):
-    """DeepSpeed's `deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum`: the state
-    categories `engine.offload_states(include=...)` names."""
+    """DeepSpeed's `deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum`: state kinds.
+
+    What ``engine.offload_states(include=...)`` names: the optimizer states, the fp32 master
+    (hp) and compute (lp) parameters, the gradients and the contiguous gradient buffer."""
 
     optim_states = "optim_states"
     hp_params = "hp_params"
