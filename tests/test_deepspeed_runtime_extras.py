@@ -106,3 +106,13 @@ def test_names_megatron_and_accelerate_read() -> None:
     assert groups._get_sequence_parallel_rank() == 0
     with pytest.raises(KeyError, match="sp_group"):
         groups._get_sequence_parallel_group()
+
+
+def test_initialize_refuses_a_multi_stage_pipeline_module_naming_the_meshzero_way() -> None:
+    """DeepSpeed's ``initialize`` builds a PipelineEngine for a PipelineModule
+    (deepspeed/__init__.py); meshzero's pipeline needs example inputs DeepSpeed's signature
+    cannot carry, so a module of more than one stage is refused before any work."""
+    model = deepspeed.pipe.PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2,
+                                          loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ValueError, match=r"meshzero.initialize\(model=module.*example_inputs"):
+        deepspeed.initialize(model=model, config={"train_batch_size": 2})

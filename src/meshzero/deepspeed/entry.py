@@ -66,6 +66,7 @@ def initialize(
         raise ValueError("initialize(collate_fn=...) batches training_data; pass "
                          "training_data= too, or build your own DataLoader with it")
     config = _config_source(args, config, config_params)
+    _check_pipeline_module(model)
     if mesh_param is not None:
         config = _with_mesh(config, mesh_param)
     _process_group(dist_init_required, distributed_port)
@@ -84,6 +85,20 @@ def initialize(
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = engine.local_rank  # as DeepSpeed aligns it (_configure_with_arguments)
     return engine, opt, loader, scheduler
+
+
+def _check_pipeline_module(model: nn.Module) -> None:
+    """A ``deepspeed.pipe.PipelineModule`` of one stage trains data-parallel; of more, meshzero's
+    pipeline needs one micro-batch of inputs that DeepSpeed's signature cannot carry."""
+    from meshzero.deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule) and model.num_stages > 1:
+        raise ValueError(
+            f"deepspeed.initialize(model=PipelineModule(num_stages={model.num_stages})): "
+            "meshzero's pipeline fixes the shapes sent between stages from one micro-batch of "
+            "inputs: call meshzero.initialize(model=module, config=<with pipeline_parallel."
+            f"size {model.num_stages}, layers \"\">, loss_fn=module.loss_fn, "
+            "example_inputs=<one micro-batch>) and train with engine.train_batch(data_iter)")
 
 
 def _config_source(args: Any, config: ConfigLike | None,
