@@ -116,3 +116,24 @@ def test_initialize_refuses_a_multi_stage_pipeline_module_naming_the_meshzero_wa
                                           loss_fn=nn.functional.mse_loss)
     with pytest.raises(ValueError, match=r"meshzero.initialize\(model=module.*example_inputs"):
         deepspeed.initialize(model=model, config={"train_batch_size": 2})
+
+
+def test_tp_model_init_records_the_size_initialize_uses() -> None:
+    """DeepSpeed's deepspeed/__init__.py ``tp_model_init`` records the tp arguments that
+    ``initialize`` merges with the config (the config canonical, a mismatch an error); the
+    model comes back unsliced, in ``dtype``."""
+    from meshzero.deepspeed.tp import with_recorded_tp
+
+    model = deepspeed.tp_model_init(nn.Linear(4, 4), tp_size=2, dtype=torch.bfloat16)
+    assert model.weight.dtype == torch.bfloat16 and model.weight.shape == (4, 4)
+    assert with_recorded_tp({"train_batch_size": 2}, model)["tensor_parallel"] == {"size": 2}
+    with pytest.raises(ValueError, match="tp_size=2.*size is 4"):
+        with_recorded_tp({"tensor_parallel": {"size": 4}}, model)
+    with pytest.raises(ValueError, match="tensor_parallel size is 4"):
+        deepspeed.initialize(model=model, config={"train_batch_size": 2,
+                                                  "tensor_parallel": {"size": 4}})
+    one = deepspeed.tp_model_init(nn.Linear(2, 2), tp_size=1, dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(model=one, config={
+        "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert engine.topology.tp_size == 1
+    engine.close()

@@ -24,6 +24,7 @@ _EXPORTS = {
     "initialize": "meshzero.deepspeed.entry",
     "DeepSpeedEngine": "meshzero.deepspeed.engine",
     "init_distributed": "meshzero.deepspeed.comm",
+    "tp_model_init": "meshzero.deepspeed.tp",
     "add_config_arguments": "meshzero.deepspeed.arguments",
     "add_tuning_arguments": "meshzero.deepspeed.arguments",
     "DeepSpeedConfig": "meshzero.deepspeed.runtime.config",

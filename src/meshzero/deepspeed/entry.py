@@ -67,6 +67,7 @@ def initialize(
                          "training_data= too, or build your own DataLoader with it")
     config = _config_source(args, config, config_params)
     _check_pipeline_module(model)
+    config = _with_tp_model_init(config, model)
     if mesh_param is not None:
         config = _with_mesh(config, mesh_param)
     _process_group(dist_init_required, distributed_port)
@@ -99,6 +100,22 @@ def _check_pipeline_module(model: nn.Module) -> None:
             "inputs: call meshzero.initialize(model=module, config=<with pipeline_parallel."
             f"size {model.num_stages}, layers \"\">, loss_fn=module.loss_fn, "
             "example_inputs=<one micro-batch>) and train with engine.train_batch(data_iter)")
+
+
+def _with_tp_model_init(config: ConfigLike, model: nn.Module) -> ConfigLike:
+    """The tp size ``deepspeed.tp_model_init`` recorded, merged into the config."""
+    from meshzero.deepspeed.tp import recorded_tp_size, with_recorded_tp
+
+    if recorded_tp_size(model) is None:
+        return config
+    raw = _raw(config)
+    if raw is None:  # a typed Config is canonical: it must say the same size
+        assert isinstance(config, Config)
+        if config.tensor_parallel.size != recorded_tp_size(model):
+            raise ValueError(f"tp_model_init(tp_size={recorded_tp_size(model)}) but the Config "
+                             f"has tensor_parallel.size {config.tensor_parallel.size}")
+        return config
+    return with_recorded_tp(raw, model)
 
 
 def _config_source(args: Any, config: ConfigLike | None,
