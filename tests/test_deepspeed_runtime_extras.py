@@ -3,7 +3,6 @@ DeepSpeed 0.19.6's source."""
 
 from __future__ import annotations
 
-import logging
 import random
 
 import numpy as np
@@ -31,13 +30,28 @@ def test_set_random_seed_seeds_random_numpy_and_torch() -> None:
     assert draws[0] == draws[1]
 
 
-def test_see_memory_usage_logs_only_when_forced(caplog: pytest.LogCaptureFixture) -> None:
-    """DeepSpeed's runtime/utils.py ``see_memory_usage``: nothing without ``force``."""
-    with caplog.at_level(logging.INFO, logger="meshzero.deepspeed.runtime.utils"):
-        see_memory_usage("quiet")
-        see_memory_usage("after init", force=True)
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("after init | MA ")
+def test_see_memory_usage_prints_only_when_forced(capsys: pytest.CaptureFixture) -> None:
+    """DeepSpeed's runtime/utils.py ``see_memory_usage``: prints the message and the memory
+    figures with ``force``, nothing without."""
+    see_memory_usage("quiet")
+    see_memory_usage("after init", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "after init" and lines[1].startswith("MA ") and len(lines) == 2
+
+
+def test_pipe_topology_is_deepspeeds_row_major_grid() -> None:
+    """DeepSpeed's runtime/pipe/topology.py ``PipeModelDataParallelTopology(num_pp, num_mp,
+    num_dp)``: axes (pipe, data, model), the last varying fastest."""
+    from meshzero.deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert topo.world_size() == 8 and topo.get_dim("data") == 2 and topo.get_dim("x") == 0
+    assert topo.get_rank(pipe=1, data=0, model=1) == 5
+    assert tuple(topo.get_coord(5)) == (1, 0, 1)
+    assert topo.get_axis_comm_lists("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.get_axis_comm_lists("pipe")[0] == [0, 4]
+    assert topo.filter_match(pipe=0, model=1) == [1, 3]
+    assert topo.get_rank_repr(5) == "model_01"
 
 
 def test_offload_enums_have_deepspeeds_values() -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import gc
-import logging
 import random
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["see_memory_usage", "set_random_seed"]
 
@@ -24,9 +21,9 @@ def set_random_seed(seed: int) -> None:
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
-    """DeepSpeed's `deepspeed.runtime.utils.see_memory_usage`: with ``force``, rank 0 logs
-    ``message`` with the accelerator's allocated / peak / reserved memory and the host's used
-    memory, as one INFO line (DeepSpeed prints; meshzero's library code logs)."""
+    """DeepSpeed's `deepspeed.runtime.utils.see_memory_usage`: with ``force``, rank 0 prints
+    ``message`` and the accelerator's allocated / peak / reserved memory and the host's used
+    memory (a report the caller asked for, printed as DeepSpeed's)."""
     if not force or (dist.is_initialized() and dist.get_rank() != 0):
         return
     from meshzero.deepspeed.accelerator import get_accelerator
@@ -34,10 +31,11 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     gc.collect()  # the figures after what Python can free, as DeepSpeed's
     acc = get_accelerator()
     gib = 1024**3
-    logger.info("%s | MA %.2f GB Max_MA %.2f GB CA %.2f GB Max_CA %.2f GB | CPU used %.2f GB",
-                message, acc.memory_allocated() / gib, acc.max_memory_allocated() / gib,
-                acc.memory_reserved() / gib, acc.max_memory_reserved() / gib,
-                _host_used_bytes() / gib)
+    print(message, flush=True)
+    print(f"MA {acc.memory_allocated() / gib:.2f} GB Max_MA {acc.max_memory_allocated() / gib:.2f}"
+          f" GB CA {acc.memory_reserved() / gib:.2f} GB Max_CA "
+          f"{acc.max_memory_reserved() / gib:.2f} GB | CPU used {_host_used_bytes() / gib:.2f} GB",
+          flush=True)
     acc.reset_peak_memory_stats()
 
 
