@@ -34,6 +34,8 @@ def on_meshzero(trainer_cls: type) -> type:
         raise TypeError(f"on_meshzero takes a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, MeshzeroTrainer):
         return trainer_cls
+    if trainer_cls is Trainer:
+        return MeshzeroTrainer
 
     def __init__(self: Any, *args: Any,
                  meshzero_config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) -> None:

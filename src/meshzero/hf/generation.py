@@ -72,7 +72,7 @@ def wrap_generate(engine: meshzero.Engine, gather: bool | None = None) -> str:
     original = getattr(module, "generate", None)
     if original is None or engine.zero_stage < 3:
         return "once"
-    original = getattr(original, "__wrapped__", original)  # wrapped twice: the model's own
+    original = getattr(original, "meshzero_original", original)  # wrapped before: the model's
     mode, why = choose_mode(engine, gather)
     logger.info("generate at ZeRO stage 3: parameters gathered %s (%s)",
                 "once for each generate call" if mode == "once" else "unit by unit per token",
@@ -90,6 +90,8 @@ def _generate(engine: meshzero.Engine, original: Callable, mode: str) -> Callabl
         with torch.no_grad(), engine.gathered(list(engine.module.parameters())):
             return original(*args, **kwargs)
 
+    generate.meshzero_original = original  # type: ignore[attr-defined]
+    generate.meshzero_mode = mode  # type: ignore[attr-defined]
     return generate
 
 
