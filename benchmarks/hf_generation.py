@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def worker(args: argparse.Namespace) -> None:
     import torch
     import transformers
+    from _torchrun import print_result
 
     import meshzero
-    from _torchrun import print_result
     from meshzero.hf.generation import wrap_generate
 
     transformers.logging.set_verbosity_error()

@@ -25,6 +25,23 @@ from transformers import Trainer
 from meshzero.hf.config import read_raw_config
 from meshzero.hf.trainer import MeshzeroTrainer
 
+SUPPORTED_TRL = ">=1.14,<2"  # pyproject's trl extra; 1.14.0 and 1.16.0 tested
+OLDEST_TRL = (1, 14)
+
+
+def check_trl(trainer_cls: type) -> None:
+    """A TRL trainer class from a release older than ``SUPPORTED_TRL`` is refused, naming it
+    (trl 1.12 and older look for PEFT on the engine, not the model: DPO loses its reference)."""
+    if not trainer_cls.__module__.startswith("trl."):
+        return
+    import trl
+
+    parts = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
+    if parts < OLDEST_TRL:
+        raise ImportError(f"meshzero.hf.on_meshzero supports trl{SUPPORTED_TRL}; trl "
+                          f"{trl.__version__} is installed: pip install 'trl{SUPPORTED_TRL}' "
+                          "(or pip install 'meshzero[trl]')")
+
 
 @functools.cache
 def on_meshzero(trainer_cls: type) -> type:
@@ -36,6 +53,7 @@ def on_meshzero(trainer_cls: type) -> type:
         return trainer_cls
     if trainer_cls is Trainer:
         return MeshzeroTrainer
+    check_trl(trainer_cls)
 
     def __init__(self: Any, *args: Any,
                  meshzero_config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) -> None:

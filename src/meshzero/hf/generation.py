@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +44,18 @@ def gathered_bytes(engine: meshzero.Engine) -> int:
 
 
 def free_bytes(device: torch.device) -> int:
-    """Memory free now: on a CUDA device ``mem_get_info``, else the host's available."""
+    """Memory free now: on a CUDA device ``mem_get_info``, else the host's available memory
+    (``MemAvailable`` of /proc/meminfo; free pages where there is none)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def choose_mode(engine: meshzero.Engine, gather: bool | None = None) -> tuple[str, str]:
@@ -77,7 +84,7 @@ def wrap_generate(engine: meshzero.Engine, gather: bool | None = None) -> str:
     logger.info("generate at ZeRO stage 3: parameters gathered %s (%s)",
                 "once for each generate call" if mode == "once" else "unit by unit per token",
                 why)
-    module.generate = _generate(engine, original, mode)
+    setattr(module, "generate", _generate(engine, original, mode))  # noqa: B010 - for mypy
     return mode
 
 

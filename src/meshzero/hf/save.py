@@ -84,12 +84,12 @@ def tied_names_dropped_on_save(module: nn.Module) -> frozenset[str]:
     stand_in: dict[int, torch.Tensor] = {}
     named = {name: stand_in.setdefault(id(t), torch.empty(1))
              for name, t in module.state_dict(keep_vars=True).items()}
-    kept = remove_tied_weights_from_state_dict(dict(named), module)
+    kept = remove_tied_weights_from_state_dict(dict(named), module)  # type: ignore[arg-type]
     return frozenset(named) - frozenset(kept)
 
 
-def adapter_names(module: nn.Module, selected_adapters: list[str] | None = None,
-                  save_embedding_layers: str | bool = "auto") -> list[str]:
+def adapter_names(module: Any, selected_adapters: list[str] | None = None,
+                  save_embedding_layers: Any = "auto") -> list[str]:
     """The names in ``module.state_dict()`` that peft's ``get_peft_model_state_dict`` saves
     for each adapter: found by handing it a stand-in state dict and seeing which it picks."""
     from peft.utils import get_peft_model_state_dict
@@ -113,7 +113,7 @@ def save_adapter(engine: meshzero.Engine, save_directory: str | os.PathLike,
                  **peft_kwargs: Any) -> list[str] | None:
     """The PEFT adapters of ``engine.module``, gathered in full, saved by the PeftModel's own
     ``save_pretrained`` on world rank 0; collective."""
-    module = engine.module
+    module: Any = engine.module  # a peft.PeftModel
     names = adapter_names(module, peft_kwargs.get("selected_adapters"),
                           peft_kwargs.get("save_embedding_layers", "auto"))
     tensors = module.state_dict(keep_vars=True)
