@@ -148,8 +148,12 @@ def run_case(case: str, args: argparse.Namespace) -> None:
     trainer.train()
     trainer.save_model(str(out / "final"))
     info: dict[str, Any] = {"train": [e for e in trainer.state.log_history if "loss" in e]}
-    engines = getattr(trainer, "frozen_engines", {})
-    info["frozen"] = {name: e.memory_report()["params"] for name, e in engines.items()}
+    if hasattr(trainer, "memory_report"):  # MeshzeroTrainer: bytes held per engine
+        info["memory"] = {name: report["params"] for name, report
+                          in trainer.memory_report().items()}
+        info["frozen"] = {name: info["memory"][name] for name in trainer.frozen_engines}
+    else:
+        info["frozen"] = {}
     info["ref_model"] = type(getattr(trainer, "ref_model", None)).__name__
     if trainer.args.process_index == 0:
         (out / "losses.json").write_text(json.dumps(info, indent=1))

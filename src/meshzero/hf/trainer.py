@@ -341,6 +341,15 @@ class MeshzeroTrainer(Trainer):
             return self.engine
         return super()._wrap_model(model, training, dataloader)
 
+    def memory_report(self) -> dict[str, dict]:
+        """Bytes this rank holds at rest, per engine: ``{"model": ..., "ref_model": ...,
+        "reward_funcs[i]": ...}`` (each an ``Engine.memory_report``); inside ``train()``."""
+        if self.engine is None:
+            raise RuntimeError("MeshzeroTrainer.memory_report: the engines exist once train() "
+                               "has started")
+        return {"model": self.engine.memory_report(),
+                **{name: e.memory_report() for name, e in self.frozen_engines.items()}}
+
     # -- saving --------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A ``from_pretrained`` directory (hf/save.py): a PEFT model's adapter
