@@ -3,7 +3,8 @@
     a PEFT model     its adapters, as ``PeftModel.save_pretrained`` writes them
                      (``adapter_config.json`` + ``adapter_model.safetensors``): the tensors
                      peft's own ``get_peft_model_state_dict`` picks, gathered in full (only
-                     those), handed to the PeftModel's ``save_pretrained`` on world rank 0
+                     those, one stage-3 unit at a time), handed to the PeftModel's
+                     ``save_pretrained`` on world rank 0
     any other model  ``model.safetensors`` or shards with ``model.safetensors.index.json``
                      above ``max_shard_size`` (Hugging Face's names and layout, tied aliases
                      dropped as transformers drops them), config.json, generation_config.json,
@@ -109,6 +110,18 @@ def adapter_names(module: Any, selected_adapters: list[str] | None = None,
     return list(picked)
 
 
+def _by_unit(engine: meshzero.Engine, names: list[str], tensors: dict[str, Any]
+             ) -> list[list[str]]:
+    """``names`` grouped by the stage-3 unit holding them (one group at stages 0-2), in the
+    same order on every rank: gathering one group holds one unit, not the model."""
+    sharder = engine.zero.sharder
+    unit_of: dict[int, int] = getattr(sharder, "_unit_of_param", {}) if sharder else {}
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        groups.setdefault(unit_of.get(id(tensors[name]), -1), []).append(name)
+    return [groups[u] for u in sorted(groups)]
+
+
 def save_adapter(engine: meshzero.Engine, save_directory: str | os.PathLike,
                  **peft_kwargs: Any) -> list[str] | None:
     """The PEFT adapters of ``engine.module``, gathered in full, saved by the PeftModel's own
@@ -117,10 +130,14 @@ def save_adapter(engine: meshzero.Engine, save_directory: str | os.PathLike,
     names = adapter_names(module, peft_kwargs.get("selected_adapters"),
                           peft_kwargs.get("save_embedding_layers", "auto"))
     tensors = module.state_dict(keep_vars=True)
-    wanted = [tensors[n] for n in names]
-    with engine.zero.phases.entry("save_16bit_model"), torch.no_grad(), \
-            engine.gathered([t for t in wanted if isinstance(t, nn.Parameter)]):
-        full = {n: t.detach().to("cpu", copy=True) for n, t in zip(names, wanted, strict=True)}
+    full: dict[str, torch.Tensor] = {}
+    with engine.zero.phases.entry("save_16bit_model"), torch.no_grad():
+        for unit_names in _by_unit(engine, names, tensors):  # one stage-3 unit at a time
+            wanted = [tensors[n] for n in unit_names]
+            with engine.gathered([t for t in wanted if isinstance(t, nn.Parameter)]):
+                full.update({n: t.detach().to("cpu", copy=True)
+                             for n, t in zip(unit_names, wanted, strict=True)})
+    full = {n: full[n] for n in names}
     if engine.topology.rank != 0:
         return None
     module.save_pretrained(str(save_directory), state_dict=full, safe_serialization=True,
