@@ -70,6 +70,10 @@ COVERED: dict[str, str] = {
     "meshzero consolidate ckpt out/ [--tag global_step1000] [--dtype fp32|bf16|fp16] "
     "[--max-shard-size 5GB]": "tests/test_consolidate.py::test_cli_consolidate",
     "python examples/hf_trainer.py --out runs/plain --plain --per-device 4": EXAMPLE,
+    "python examples/trl_trainers.py --out runs/plain --plain --per-device 4 --cases "
+    "sft-lora,dpo": "tests/test_hf_trl.py::runs",
+    "torchrun --nproc-per-node 2 examples/trl_trainers.py --out runs/zero --cases "
+    "sft-lora,dpo:2": "tests/test_hf_trl.py::runs",
     "torchrun --nproc-per-node 2 examples/hf_trainer.py --out runs/zero3 --save-steps 3": EXAMPLE,
     "torchrun --nproc-per-node 2 examples/hf_trainer.py --out runs/sp2 --sp 2":
         "tests/test_hf_trainer.py::test_sequence_parallel_matches_plain_trainer",

@@ -10,8 +10,10 @@ their rotation); the engine takes the model, its gradients and the optimizer:
     optimizer / lr_scheduler
                       facades the loop can call: the step already happened in the engine
     _clip_grad_norm   the engine's pre-clip norm of the step, for the logs
-    save_model        ``engine.save_16bit_model`` (collective) + config.json: a from_pretrained
-                      directory
+    save_model        hf/save.py (collective): a PEFT adapter, or sharded safetensors + index
+                      and config.json: what from_pretrained reads
+    ref_model ...     TRL's reference / reward models: ZeRO-3 engines without an optimizer
+                      (hf/frozen.py); generate at stage 3 gathers once (hf/generation.py)
     checkpoint-N      the Trainer's files + the engine's sharded checkpoint in ``meshzero/``,
                       loadable at another world size and stage
 
@@ -40,6 +42,9 @@ except ImportError as e:  # an extra: say which, rather than a bare ModuleNotFou
 import meshzero
 from meshzero.config import Config, ConfigError, load_config
 from meshzero.hf.config import argument_values, read_raw_config, resolve_auto
+from meshzero.hf.frozen import shard_frozen_models
+from meshzero.hf.generation import attach
+from meshzero.hf.save import save_pretrained
 from meshzero.parallel.sequence_hf import gather_batch
 
 MESHZERO_DIR = "meshzero"  # the engine's sharded checkpoint inside checkpoint-N
@@ -133,10 +138,16 @@ class MeshzeroTrainer(Trainer):
     shards over every rank).
     """
 
-    def __init__(self, *args: Any, meshzero_config: dict[str, Any] | str | os.PathLike[str],
+    def __init__(self, *args: Any,
+                 meshzero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
                  **kwargs: Any):
-        self.meshzero_raw_config = read_raw_config(meshzero_config)
+        if meshzero_config is not None:
+            self.meshzero_raw_config = read_raw_config(meshzero_config)
+        elif "meshzero_raw_config" not in self.__dict__:  # on_meshzero's classes set it first
+            raise TypeError(f"{type(self).__name__} needs meshzero_config= (a ds_config dict "
+                            "or JSON path)")
         self.engine: meshzero.Engine | None = None
+        self.frozen_engines: dict[str, meshzero.Engine] = {}
         super().__init__(*args, **kwargs)
         if lacking := [name for name in INSTANCE_ATTRIBUTES if not hasattr(self, name)]:
             raise ImportError(_unsupported([f"Trainer.{name} (not set by __init__)"
@@ -165,17 +176,21 @@ class MeshzeroTrainer(Trainer):
     def engine_config(self, max_steps: int) -> Config:
         """The meshzero config for a run of ``max_steps`` optimizer steps: "auto" resolved,
         agreement with the arguments checked, validated."""
-        hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
-        sp = self.meshzero_raw_config.get("sequence_parallel_size", 1)
-        values = argument_values(self.args, world_size=self.args.world_size,
-                                 max_steps=max_steps, hidden_size=hidden,
-                                 sequence_parallel=sp if isinstance(sp, int) else 1)
-        config = load_config(resolve_auto(self.meshzero_raw_config, values))
+        config = load_config(self.resolved_config(max_steps))
         if config.tensor_parallel.size > 1 or config.pipeline_parallel.size > 1:
             raise ConfigError("tensor_parallel.size / pipeline_parallel.size > 1: the Trainer's "
                               "data loader shards over every rank; use meshzero.initialize for "
                               "3D parallelism")
         return config
+
+    def resolved_config(self, max_steps: int) -> dict[str, Any]:
+        """The ds_config dict with "auto" resolved from the arguments (not yet validated)."""
+        hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
+        sp = self.meshzero_raw_config.get("sequence_parallel_size", 1)
+        values = argument_values(self.args, world_size=self.args.world_size,
+                                 max_steps=max_steps, hidden_size=hidden,
+                                 sequence_parallel=sp if isinstance(sp, int) else 1)
+        return resolve_auto(self.meshzero_raw_config, values)
 
     # -- building the engine (the Trainer's _prepare_for_training) -----------------------------
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
@@ -194,6 +209,8 @@ class MeshzeroTrainer(Trainer):
                                               model_parameters=groups, lr_scheduler=schedule,
                                               config=config)
         self.engine = engine
+        self.frozen_engines = shard_frozen_models(self, self.resolved_config(max_steps))
+        attach(self, engine)  # accelerator.unwrap_model, generate at stage 3 (hf/generation.py)
         if resume_from_checkpoint is not None:
             engine.load_checkpoint(os.path.join(resume_from_checkpoint, MESHZERO_DIR))
         # duck-typed stand-ins: the Trainer calls only the methods they define
@@ -324,17 +341,28 @@ class MeshzeroTrainer(Trainer):
             return self.engine
         return super()._wrap_model(model, training, dataloader)
 
+    def memory_report(self) -> dict[str, dict]:
+        """Bytes this rank holds at rest, per engine: ``{"model": ..., "ref_model": ...,
+        "reward_funcs[i]": ...}`` (each an ``Engine.memory_report``); inside ``train()``."""
+        if self.engine is None:
+            raise RuntimeError("MeshzeroTrainer.memory_report: the engines exist once train() "
+                               "has started")
+        return {"model": self.engine.memory_report(),
+                **{name: e.memory_report() for name, e in self.frozen_engines.items()}}
+
     # -- saving --------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A ``from_pretrained`` directory: the weights gathered from the shards in the compute
-        dtype, config.json (and generation_config.json), the tokenizer/processor. Collective:
-        call it on every rank, as the Trainer does."""
+        """A ``from_pretrained`` directory (hf/save.py): a PEFT model's adapter
+        (``adapter_config.json``, ``adapter_model.safetensors``), any other model's weights
+        gathered unit by unit in the compute dtype as sharded safetensors with an index, and
+        config.json (and generation_config.json); the tokenizer/processor. Collective: call it
+        on every rank, as the Trainer does."""
         if self.engine is None:
             super().save_model(output_dir, _internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         assert output_dir is not None  # TrainingArguments defaults it to "trainer_output"
-        self.engine.save_16bit_model(output_dir)
+        save_pretrained(self.engine, output_dir)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         if self.args.push_to_hub and not _internal_call:
