@@ -137,7 +137,7 @@ class Engine(nn.Module):
         return self.grad_accum
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:
@@ -213,6 +213,7 @@ class Engine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        self.zero.require_optimizer()
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
         self.profiling.set_phase("backward")
@@ -235,6 +236,7 @@ class Engine(nn.Module):
     def step(self) -> bool:
         """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
         whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
+        self.zero.require_optimizer()
         self.guard.step_applied = False
         self.zero.refuse_lost_step()  # offload I/O lost gradients: until a new backward
         if not self.is_gradient_accumulation_boundary():

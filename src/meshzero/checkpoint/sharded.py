@@ -237,6 +237,8 @@ def load_checkpoint(state: TrainingState, load_dir: str | os.PathLike, tag: str 
     """Load tag ``tag`` (default: the one ``latest`` names) at any data-parallel size and
     stage (tp and pp as saved); collective. Returns ``(tag directory, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` file."""
+    # an engine without an optimizer (forward only) loads the model of any checkpoint
+    load_optimizer_states = load_optimizer_states and state.optimizer is not None
     _on_all_ranks(state, "recover",  # a save killed before: put its tag back first
                   lambda: recover_tags(Path(load_dir)) if state.topology.rank == 0 else None)
     directory = resolve_tag(load_dir, tag)

@@ -86,7 +86,9 @@ def _jsonable(value: Any) -> bool:
 # -- optimizer -------------------------------------------------------------------------------
 def optimizer_metadata(state: TrainingState) -> dict:
     """Class and per-group hyperparameters (JSON-able ones; others are skipped with a warning)."""
-    groups = []
+    groups: list[dict] = []
+    if state.optimizer is None:  # an engine without an optimizer (forward only)
+        return {"class": None, "param_groups": groups}
     for i, group in enumerate(state.optimizer.param_groups):
         kept = {}
         for key, value in group.items():
@@ -105,6 +107,8 @@ def optimizer_items(state: TrainingState, info: dict) -> list[Item]:
     """This rank's optimizer state tensors as checkpoint items; group membership, state kinds
     and non-tensor state go into ``info`` (merged over ranks into the manifest)."""
     opt = state.optimizer
+    if opt is None:  # forward only: no fragments, no state
+        return []
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     kinds, members, extra = info["state_kinds"], info["param_group_of"], info["extra_state"]
     items: list[Item] = []

@@ -38,6 +38,9 @@ from meshzero.zero.sharded_params import (
 from meshzero.zero.trainability import Trainability
 from meshzero.zero.units import Layout, build_layout
 
+NO_OPTIMIZER = ("this engine has no optimizer (forward only): pass optimizer= or a config "
+                "'optimizer' block to train")
+
 
 @dataclass(frozen=True)
 class ZeroOptions:
@@ -63,6 +66,9 @@ class ZeroOptions:
     master_dtype: torch.dtype = torch.float32
     # of the process groups ZeRO makes itself (the unit-order check's): faults.comm_timeout
     group_timeout: timedelta | None = None
+    # no optimizer (a frozen reference / reward / EMA model): parameters only, no master,
+    # gradients or optimizer states; forward runs without autograd, backward is refused
+    forward_only: bool = False
 
 
 class ZeroModelState:
@@ -150,7 +156,8 @@ class ZeroModelState:
                 FlatGroup(g, [self.model.get_parameter(s.name) for s in g.slots],
                           stage=opts.stage, rank=self.comm.rank,
                           compute_dtype=opts.compute_dtype, device=self.device,
-                          tier=self.tier, init=flats.pop(g.index, None))
+                          tier=self.tier, init=flats.pop(g.index, None),
+                          trains=not opts.forward_only)
                 for g in self.layout.units[u].groups
             ]
         return [built[u] for u in range(n_units)]
@@ -278,10 +285,21 @@ class ZeroModelState:
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
-    def start_forward(self):
+    def require_optimizer(self) -> None:
+        """Before a backward or a step: an engine built without an optimizer refuses them."""
+        if self.options.forward_only:
+            raise ValueError(NO_OPTIMIZER)
+
+    def start_forward(self) -> AbstractContextManager[object]:
         """Before a forward; returns the context to run it in (stage 3: tensors autograd
-        saves that view a unit's parameters gather it again if backward finds it released)."""
+        saves that view a unit's parameters gather it again if backward finds it released).
+        Without an optimizer: under ``torch.no_grad()`` (no backward can follow, so no
+        graph, no activations kept and no unit held gathered for one)."""
         self._check_open()
+        if self.options.forward_only:
+            if self.sharder is not None:
+                self.sharder.start_forward()
+            return torch.no_grad()
         if self.sharder is None:
             return nullcontext()
         self.sharder.start_forward()
@@ -373,7 +391,7 @@ class ZeroModelState:
         the copy times are read from their events here, waiting for any still running)."""
         return self._transfers.report()
 
-    def memory_report(self, optimizer: torch.optim.Optimizer) -> dict:
+    def memory_report(self, optimizer: torch.optim.Optimizer | None) -> dict:
         """Bytes this rank holds at rest, by category and the tier each buffer lives in, plus
         the tier's staging buffers under ``offload_buffers``."""
         report = self.tier.memory_report(self.groups, optimizer)
