@@ -213,7 +213,7 @@ class Engine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
-        self.zero.require_optimizer()
+        self.zero.require_optimizer("backward")
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
         self.profiling.set_phase("backward")
@@ -334,6 +334,19 @@ class Engine(nn.Module):
         of a parameter gathers it anyway; this makes the gather explicit and, with grad mode
         off, releases it on exit."""
         return self.zero.gathered(params)
+
+    def offload_states(self, include: Iterable[Any] | None = None, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move optimizer states, masters, gradients and/or parameters (``include``:
+        DeepSpeed's names optim_states, hp_params, lp_params, lp_grads,
+        contiguous_grad_buffer; None: all) to host memory, e.g. while another model
+        generates; ``memory_report()`` shows them under host. Until :meth:`reload_states`
+        the calls that read them are refused (docs/zero-offload.md)."""
+        self.zero.offload_states(include, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back to the device what :meth:`offload_states` moved."""
+        self.zero.reload_states(non_blocking)
 
     # -- reports ---------------------------------------------------------------------------------
     @property

@@ -27,6 +27,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
     OffloadOptions,
     make_tier,
 )
+from meshzero.zero.offload.states import StateOffload, state_names
 from meshzero.zero.offload.transfer import StepTransfers
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
@@ -116,6 +117,8 @@ class ZeroModelState:
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
+        # states moved to host memory by offload_states (zero/offload/states.py)
+        self.offloaded = StateOffload(device, self.tier.name, options.offload.param)
 
     def _build_sharder(self, secondary_comm: Communicator | None,
                        ) -> tuple[PhaseCheck, ParameterSharder | None]:
@@ -238,6 +241,7 @@ class ZeroModelState:
     def materialized(self, write_back: bool = False) -> AbstractContextManager[None]:
         """A context in which every master, optimizer state and shard is in memory (a tier
         that keeps them in files reads them in; ``write_back`` writes changes back)."""
+        self.offloaded.check("checkpoint")
         return self.tier.materialized(write_back)
 
     @contextmanager
@@ -285,10 +289,26 @@ class ZeroModelState:
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
-    def require_optimizer(self) -> None:
-        """Before a backward or a step: an engine built without an optimizer refuses them."""
+    def require_optimizer(self, call: str = "step") -> None:
+        """Before a backward or a step (``call``): an engine built without an optimizer
+        refuses them, as one whose states it needs are offloaded (offload_states)."""
         if self.options.forward_only:
             raise ValueError(NO_OPTIMIZER)
+        self.offloaded.check(call)
+
+    def offload_states(self, include: Iterable[object] | None = None, *,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move the states named in ``include`` (DeepSpeed's names; None: all) to host
+        memory until :meth:`reload_states` (zero/offload/states.py). Local: no collective."""
+        names = state_names(include)  # checked before anything moves
+        if self.sharder is not None and "lp_params" in names:
+            self.sharder.release_all()  # gathered units go: only the shards remain
+        self.offloaded.offload(names, self.groups, self.optimizer, pin_memory=pin_memory,
+                               non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what :meth:`offload_states` moved (a no-op if nothing is away)."""
+        self.offloaded.reload(non_blocking)
 
     def start_forward(self) -> AbstractContextManager[object]:
         """Before a forward; returns the context to run it in (stage 3: tensors autograd
@@ -296,6 +316,7 @@ class ZeroModelState:
         Without an optimizer: under ``torch.no_grad()`` (no backward can follow, so no
         graph, no activations kept and no unit held gathered for one)."""
         self._check_open()
+        self.offloaded.check("forward")
         if self.options.forward_only:
             if self.sharder is not None:
                 self.sharder.start_forward()
@@ -395,6 +416,7 @@ class ZeroModelState:
         """Bytes this rank holds at rest, by category and the tier each buffer lives in, plus
         the tier's staging buffers under ``offload_buffers``."""
         report = self.tier.memory_report(self.groups, optimizer)
+        self.offloaded.adjust(report)  # what offload_states moved is in host memory now
         report["gathered_params_peak"] = self.memory.peak
         return report
 
