@@ -461,7 +461,7 @@ def initialize(
     loss_fn: Callable | None = None,
     example_inputs: Any = None,
     pipeline_layout: Any = None,
-) -> tuple[Engine, torch.optim.Optimizer, None, Any]:
+) -> tuple[Engine, torch.optim.Optimizer | None, None, Any]:
     """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
     The config is a ds_config dict, a path to a JSON file, or a :class:`Config`; every key is
