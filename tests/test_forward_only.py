@@ -174,3 +174,18 @@ def _bad(rank: int, world: int, extra: dict, kwargs: dict) -> str:
 ])
 def test_forward_only_refuses_what_needs_an_optimizer(tmp_path, extra, kwargs, message):
     assert message in run_distributed(_bad, 1, tmp_path, extra, kwargs)[0]
+
+
+def test_estimate_forward_only_counts_parameters_only():
+    """``estimate(..., trainable="none")``: no master, gradient or optimizer-state bytes (an
+    offload_optimizer section is unused, as the engine leaves it), and the report says so."""
+    from meshzero.estimate import Cluster, estimate
+
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    est = estimate(TrickyModel, config=config, cluster=Cluster(gpus_per_node=2),
+                   trainable="none", seq_len=5)
+    states = est.model_states
+    assert all(sum(states[c].values()) == 0
+               for c in ("master_params", "grads", "optimizer_states", "offload_buffers"))
+    assert states["params"]["device"] > 0 and est.unfrozen_states is None
+    assert "no optimizer (forward only" in str(est)
