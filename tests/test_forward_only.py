@@ -189,3 +189,10 @@ def test_estimate_forward_only_counts_parameters_only():
                for c in ("master_params", "grads", "optimizer_states", "offload_buffers"))
     assert states["params"]["device"] > 0 and est.unfrozen_states is None
     assert "no optimizer (forward only" in str(est)
+
+
+def test_plan_refuses_forward_only():
+    from meshzero.estimate.plan import plan
+
+    with pytest.raises(ValueError, match="a plan ranks training configurations"):
+        plan(TrickyModel, trainable="none", seq_len=5)

@@ -237,7 +237,7 @@ def _optimizer(model: nn.Module, config: Config, zero: ZeroModelState, optimizer
                model_parameters: Iterable[Any] | None, lr_scheduler: Any,
                ) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer over ZeRO's master fragments, attached to ``zero``, and the scheduler.
-    A caller's optimizer instance is bound to it (schedulers.bind_caller_optimizer): the
+    A caller's optimizer instance is bound to it (optim.bind_caller_optimizer): the
     hyperparameters its param groups hold are the ones training uses."""
     model_parameters = listed_parameters(model_parameters)
     opt = build_optimizer(

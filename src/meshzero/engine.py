@@ -213,7 +213,7 @@ class Engine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
-        self.zero.require_optimizer("backward")
+        self.zero.require_states("backward")
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
         self.profiling.set_phase("backward")
@@ -236,7 +236,7 @@ class Engine(nn.Module):
     def step(self) -> bool:
         """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
         whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
-        self.zero.require_optimizer()
+        self.zero.require_states("step")
         self.guard.step_applied = False
         self.zero.refuse_lost_step()  # offload I/O lost gradients: until a new backward
         if not self.is_gradient_accumulation_boundary():

@@ -289,9 +289,10 @@ class ZeroModelState:
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
-    def require_optimizer(self, call: str = "step") -> None:
-        """Before a backward or a step (``call``): an engine built without an optimizer
-        refuses them, as one whose states it needs are offloaded (offload_states)."""
+    def require_states(self, call: str = "step") -> None:
+        """Before a backward or a step (``call``): the states it needs are here. An engine
+        built without an optimizer refuses both, as one whose states ``call`` reads are
+        offloaded (offload_states) does."""
         if self.options.forward_only:
             raise ValueError(NO_OPTIMIZER)
         self.offloaded.check(call)
