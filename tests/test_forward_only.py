@@ -13,7 +13,8 @@ What DeepSpeed does (read from its source, deepspeed 0.19.6):
   partitions or optimizer states. At stages 0-2 it wraps a ``DummyOptim`` that holds none.
 * ``DeepSpeedEngine.get_lr`` / ``_get_optimizer_param`` return ``[]`` without an optimizer.
 * ``DeepSpeedEngine.offload_states`` asserts "Moving states across devices is not supported
-  without an optimizer" (test_offload_states.py tests meshzero's refusal).
+  without an optimizer"; meshzero lets such an engine move its parameters to host memory
+  between phases (tests/test_offload_states.py).
 
 meshzero: ``engine.optimizer is None``; forward runs unit by unit at stage 3, under
 ``torch.no_grad()`` (nothing can step, so no graph is kept), and ``backward`` / ``step``
