@@ -113,7 +113,7 @@ def _engine(stage: int, kind: str, how: str, world: int):
 
 
 def _train(rank: int, world: int, cases: list) -> list:
-    out = []
+    out, engines = [], []
     for stage, kind, how in cases:
         engine, held, sched, caller_steps = _engine(stage, kind, how, world)
         seen = []
@@ -129,6 +129,8 @@ def _train(rank: int, world: int, cases: list) -> list:
                 if caller_steps:
                     sched.step()
         out.append((seen, engine.full_state_dict()))
+        engines.append(engine)
+    for engine in engines:  # closed together at the end: see tests/test_forward_only.py
         engine.close()
     return out
 

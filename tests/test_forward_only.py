@@ -57,7 +57,7 @@ def _config(world: int, stage: int, precision: str, offload: str) -> dict:
 
 
 def _forward_only(rank: int, world: int, cases: list) -> list:
-    out = []
+    out, engines = [], []
     for stage, precision, offload in cases:
         model = build_model("tricky", seed=1)
         plain = copy.deepcopy(model)  # the plain-torch reference
@@ -84,6 +84,11 @@ def _forward_only(rank: int, world: int, cases: list) -> list:
         out.append({"diff": max((t.float() - want).abs().max().item()
                                 for t in (got, got_no_grad, again)),
                     "memory": engine.memory_report(), "errors": errors})
+        engines.append(engine)
+    # closed together at the end: closing an engine drops its gloo groups, and a group freed
+    # on one rank while a peer still holds it raced the next engine's group creation at
+    # W = 4 here ("Gloo connectFullMesh failed ... Connection closed by peer", 2 runs in 6)
+    for engine in engines:
         engine.close()
     return out
 
