@@ -25,6 +25,7 @@ optimizer may offload its parameters (a reference model between phases).
 from __future__ import annotations
 
 import enum
+import logging
 
 import pytest
 import torch
@@ -122,8 +123,13 @@ def _tiers(rank: int, world: int) -> dict:
     engine, *_ = meshzero.initialize(model=build_model("mlp"), config=config)
     _steps(engine, rank, world, make_batches("mlp", 1, 2 * world))
     before = engine.memory_report()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("meshzero.zero.offload.states").addHandler(handler)
     engine.offload_states()
     out["host_tier"] = (before, engine.memory_report())
+    out["info"] = lines
     engine.reload_states()
     engine.close()
     # offload_param: refused, as DeepSpeed refuses it
@@ -153,11 +159,14 @@ def test_offload_states_on_offload_tiers_and_without_an_optimizer(tmp_path):
     """offload_optimizer cpu: only the parameters move (DeepSpeed's
     ``_refine_include_states`` drops the states an offloaded optimizer keeps on the CPU);
     offload_param and unknown names are refused before anything moves."""
-    for got in run_distributed(_tiers, 2, tmp_path, timeout=240):
+    for rank, got in enumerate(run_distributed(_tiers, 2, tmp_path, timeout=240)):
         before, away = got["host_tier"]
         assert away["params"] == {"device": 0, "host": before["params"]["device"], "nvme": 0}
         for category in ("master_params", "grads", "optimizer_states"):  # stayed on host
             assert away[category] == before[category] and before[category]["host"] > 0
+        if rank == 0:  # INFO lines are rank 0's (log.py)
+            assert got["info"] == ["offload_states: optim_states, hp_params, lp_grads stay "
+                                   "where offload_optimizer keeps them (host): not moved"]
         assert "offload_param (cpu) places already" in got["refused"][0]
         assert "'bogus' is not a state; valid: optim_states, hp_params" in got["refused"][1]
         assert got["ref_away"]["device"] == 0 and got["ref_away"]["host"] > 0
