@@ -337,11 +337,9 @@ class Engine(nn.Module):
 
     def offload_states(self, include: Iterable[Any] | None = None, pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
-        """Move optimizer states, masters, gradients and/or parameters (``include``:
-        DeepSpeed's names optim_states, hp_params, lp_params, lp_grads,
-        contiguous_grad_buffer; None: all) to host memory, e.g. while another model
-        generates; ``memory_report()`` shows them under host. Until :meth:`reload_states`
-        the calls that read them are refused (docs/zero-offload.md)."""
+        """Move the states named in ``include`` (DeepSpeed's names; None: all) to host
+        memory until :meth:`reload_states`; calls that read them are refused meanwhile
+        (zero/offload/states.py, docs/zero-offload.md)."""
         self.zero.offload_states(include, pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
