@@ -203,7 +203,6 @@ def _init_only(rank, world_size, kwargs):
 @pytest.mark.parametrize("kwargs, message", [
     ({"config": zero_config(1, global_batch=8), "optimizer": _adamw(build_model("mlp"))},
      "both an optimizer argument and the config key 'optimizer'"),
-    ({"config": _no_optimizer_config(1)}, "no optimizer"),
     ({"config": zero_config(1, global_batch=7)}, "train_batch_size"),
     ({"config": zero_config(1, global_batch=8), "training_data": [1, 2]}, "training_data"),
     ({"config": zero_config(3, global_batch=8,

@@ -116,8 +116,8 @@ def test_report_shows_the_unfrozen_figure_and_the_flag_validates():
     plain = estimate(lambda: nn.Sequential(nn.Linear(5, 13), Block(13, 29), Block(13, 29)),
                      stage=3, cluster=Cluster(gpus_per_node=2))
     assert plain.unfrozen_states is None and "after unfreezing" not in str(plain)
-    with pytest.raises(ValueError, match=r"trainable must be one of \['initialize', 'all'\], "
-                                         r"got 'some'"):
+    with pytest.raises(ValueError, match=r"trainable must be one of \['initialize', 'all', "
+                                         r"'none'\], got 'some'"):
         estimate(PartlyFrozen, stage=3, trainable="some")
 
 

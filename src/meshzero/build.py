@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +30,12 @@ from torch import nn
 from meshzero.comm import CommStats, Communicator, broadcast_module
 from meshzero.config import Config
 from meshzero.faults import check_ranks_agree
-from meshzero.optim import bind_to_shards, build_optimizer
+from meshzero.optim import (
+    bind_caller_optimizer,
+    bind_to_shards,
+    build_optimizer,
+    check_forward_only,
+)
 from meshzero.parallel.compose import (
     apply_tp,
     check_plan,
@@ -43,7 +48,7 @@ from meshzero.parallel.plans import shipped_plan
 from meshzero.parallel.sequence import SequenceParallel, check_heads
 from meshzero.parallel.sequence_hf import use_ulysses
 from meshzero.precision import LossScaler
-from meshzero.schedulers import build_scheduler
+from meshzero.schedulers import build_scheduler, check_scheduler_object, is_scheduler_object
 from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import OffloadOptions
@@ -75,7 +80,7 @@ class Built:
     module: nn.Module
     pipeline: Pipeline | None
     zero: ZeroModelState
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: no optimizer, a forward-only engine
     lr_scheduler: Any
     loss_scaler: LossScaler
     model_parallel_comms: list[Communicator]  # over tp and pp, for norms and overflow
@@ -85,12 +90,15 @@ class Built:
 
 def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
           optimizer: Any = None, model_parameters: Iterable[Any] | None = None,
-          lr_scheduler: Callable | None = None, loss_fn: Callable | None = None,
+          lr_scheduler: Any = None, loss_fn: Callable | None = None,
           example_inputs: Any = None, pipeline_layout: Any = None) -> Built:
     """Prepare ``model`` for training under ``config``, in the order of the module
     docstring; collective over the world."""
     if isinstance(model, nn.Module):
         check_no_lazy_parameters(model)  # before any collective: a local error
+    forward_only = optimizer is None and config.optimizer is None
+    if forward_only:  # before any collective: a local error
+        check_forward_only(config, lr_scheduler, model_parameters)
     # 1. groups first: every later step runs collectives on them
     timeout = timedelta(seconds=config.faults.comm_timeout)
     made = init_distributed(timeout=timeout)
@@ -121,21 +129,17 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
                            example_inputs=example_inputs, pipeline_layout=pipeline_layout)
     sequence = _sequence(model, config, topology, comms.stats)
     # 5. ZeRO after the cuts: it shards only the parameters left on this rank
-    zero = _zero_state(model, config, topology, comms, materializer)
+    zero = _zero_state(model, config, topology, comms, materializer, forward_only)
     _cast_buffers(model, config.compute_dtype)
     if materializer is not None:  # meta parameters the caller passed -> the real ones
         optimizer, model_parameters = materializer.remap(optimizer, model_parameters)
     # 6. the optimizer steps on ZeRO's master fragments, so it comes after ZeRO
-    model_parameters = listed_parameters(model_parameters)
-    opt = build_optimizer(
-        model=model, fragments=zero.optim_state.fragments,
-        device=zero.optimizer_device,
-        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
-        bf16=config.bf16)
-    bind_to_shards(opt, zero.optim_state.fragment_norms)
-    zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
+    opt, scheduler = None, None
+    if not zero.options.forward_only:
+        opt, scheduler = _optimizer(model, config, zero, optimizer, model_parameters,
+                                    lr_scheduler)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
-                 zero=zero, optimizer=opt, lr_scheduler=_scheduler(opt, config, lr_scheduler),
+                 zero=zero, optimizer=opt, lr_scheduler=scheduler,
                  loss_scaler=LossScaler.from_config(config.fp16),
                  model_parallel_comms=model_parallel_comms(topology, comms.stats),
                  norm_weights=norm_weights(model, topology, pipe), sequence=sequence)
@@ -229,9 +233,31 @@ def _check_pipeline_batches(config: Config, topology: Topology,
             "are its accumulation steps")
 
 
+def _optimizer(model: nn.Module, config: Config, zero: ZeroModelState, optimizer: Any,
+               model_parameters: Iterable[Any] | None, lr_scheduler: Any,
+               ) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer over ZeRO's master fragments, attached to ``zero``, and the scheduler.
+    A caller's optimizer instance is bound to it (optim.bind_caller_optimizer): the
+    hyperparameters its param groups hold are the ones training uses."""
+    model_parameters = listed_parameters(model_parameters)
+    opt = build_optimizer(
+        model=model, fragments=zero.optim_state.fragments,
+        device=zero.optimizer_device,
+        optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
+        bf16=config.bf16)
+    bind_to_shards(opt, zero.optim_state.fragment_norms)
+    zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        bind_caller_optimizer(optimizer, opt)
+    return opt, _scheduler(opt, config, lr_scheduler, optimizer)
+
+
 def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Comms,
-                materializer: Any) -> ZeroModelState:
+                materializer: Any, forward_only: bool = False) -> ZeroModelState:
     zc = config.zero_optimization
+    offload = OffloadOptions.from_config(zc)
+    if forward_only:  # no optimizer side to offload; parameters offload as configured
+        offload = replace(offload, optimizer="none")
     options = ZeroOptions(
         stage=zc.stage,
         compute_dtype=config.compute_dtype,
@@ -245,9 +271,10 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         prefetch_numel=zc.stage3_prefetch_bucket_size,
         max_live_numel=zc.stage3_max_live_parameters,
         max_reuse_distance=zc.stage3_max_reuse_distance,
-        offload=OffloadOptions.from_config(zc),
+        offload=offload,
         grad_predivide=config.grad_predivide(comms.dp.size),
         group_timeout=topology.timeout,
+        forward_only=forward_only,
     )
     return ZeroModelState(model, comms.shard, topology.device, options,
                           materialize=materializer, secondary_comm=comms.hpz,
@@ -264,17 +291,16 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
                 setattr(sub, name, buf.to(dtype))
 
 
-def _scheduler(optimizer: torch.optim.Optimizer, config: Config,
-               lr_scheduler: Callable | None) -> Any:
-    """The caller's ``lr_scheduler(optimizer)``, the config's ``scheduler``, or None."""
+def _scheduler(optimizer: torch.optim.Optimizer, config: Config, lr_scheduler: Any,
+               client_optimizer: Any = None) -> Any:
+    """The caller's scheduler object (built on the optimizer it passed, which is bound to
+    ``optimizer``), ``lr_scheduler(optimizer)``, the config's ``scheduler``, or None."""
     if lr_scheduler is not None and config.scheduler is not None:
         raise ValueError("both lr_scheduler and the config key 'scheduler' are given; "
                          "pass one of them")
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise ValueError("lr_scheduler must be a callable optimizer -> scheduler (e.g. "
-                         "lambda opt: LambdaLR(opt, f)): meshzero builds the optimizer over "
-                         "shard fragments, so a scheduler bound to another optimizer "
-                         "cannot drive it")
+    if is_scheduler_object(lr_scheduler):
+        check_scheduler_object(lr_scheduler, client_optimizer)
+        return lr_scheduler
     if lr_scheduler is not None:
         return lr_scheduler(optimizer)
     if config.scheduler is not None:

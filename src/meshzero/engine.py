@@ -137,7 +137,7 @@ class Engine(nn.Module):
         return self.grad_accum
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:
@@ -213,6 +213,7 @@ class Engine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        self.zero.require_states("backward")
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
         self.profiling.set_phase("backward")
@@ -235,6 +236,7 @@ class Engine(nn.Module):
     def step(self) -> bool:
         """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
         whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
+        self.zero.require_states("step")
         self.guard.step_applied = False
         self.zero.refuse_lost_step()  # offload I/O lost gradients: until a new backward
         if not self.is_gradient_accumulation_boundary():
@@ -336,6 +338,17 @@ class Engine(nn.Module):
         at every stage (a custom init, rows copied by hand; shapes cannot change). None:
         read-only, a write inside the block is lost (docs/models.md)."""
         return self.zero.gathered(params, modifier_rank)
+
+    def offload_states(self, include: Iterable[Any] | None = None, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move the states named in ``include`` (DeepSpeed's names; None: all) to host
+        memory until :meth:`reload_states`; calls that read them are refused meanwhile
+        (zero/offload/states.py, docs/zero-offload.md)."""
+        self.zero.offload_states(include, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back to the device what :meth:`offload_states` moved."""
+        self.zero.reload_states(non_blocking)
 
     # -- reports ---------------------------------------------------------------------------------
     @property
@@ -479,7 +492,7 @@ def initialize(
     example_inputs: Any = None,
     pipeline_layout: Any = None,
     engine_class: type[Engine] | None = None,
-) -> tuple[Engine, torch.optim.Optimizer, None, Any]:
+) -> tuple[Engine, torch.optim.Optimizer | None, None, Any]:
     """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
     The config is a ds_config dict, a path to a JSON file, or a :class:`Config`; every key is

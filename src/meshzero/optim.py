@@ -204,3 +204,52 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, fragment_norms: Callable[[]
     (``fragment_norms``: ZeRO's ``ShardedOptimizerState.fragment_norms``)."""
     if isinstance(optimizer, Lamb):
         optimizer.bind_fragments(fragment_norms())
+
+
+def check_forward_only(config: Any, lr_scheduler: Any, model_parameters: Any) -> None:
+    """An engine without an optimizer (no ``optimizer=`` and no config ``optimizer`` block;
+    DeepSpeed's ``initialize`` then builds none either): refuse what needs one, say what is
+    left unused. ``config``: the :class:`meshzero.config.Config`."""
+    if lr_scheduler is not None:
+        raise ValueError("lr_scheduler is given but there is no optimizer for it to drive: "
+                         "pass optimizer= or a config 'optimizer' block, or drop lr_scheduler")
+    if config.zero_optimization.offload_param.device == "nvme":
+        raise ValueError("zero_optimization.offload_param.device = 'nvme' needs an optimizer "
+                         "(meshzero's NVMe tier): an engine without one keeps its parameter "
+                         "shards on the device or in host memory (offload_param.device 'cpu')")
+    if config.scheduler is not None:
+        logger.warning("the config's 'scheduler' block (%s) is not used: this engine has no "
+                       "optimizer (forward only)", config.scheduler.type)
+    if model_parameters is not None:
+        logger.warning("model_parameters is not used: this engine has no optimizer "
+                       "(forward only)")
+    if config.zero_optimization.offload_optimizer.device != "none":
+        logger.info("zero_optimization.offload_optimizer is not used: this engine has no "
+                    "optimizer (forward only)")
+
+
+def bind_caller_optimizer(caller: torch.optim.Optimizer, engine_opt: torch.optim.Optimizer
+                          ) -> None:
+    """The optimizer the caller passed to ``initialize`` and the one meshzero built over
+    its master fragments (``engine_opt``) share their param groups from now on: the group
+    dicts are the same objects, so an lr (betas, momentum, weight_decay, ...) that the
+    caller or a scheduler on ``caller`` sets is the one the next step uses, and both read
+    back what a scheduler on ``engine_opt`` sets. DeepSpeed does the same by stepping the
+    caller's optimizer itself over its fp32 partitions (ZeRO's ``param_group['params']`` are
+    replaced in the client optimizer: runtime/zero/stage_1_and_2.py). The caller must not
+    step ``caller`` itself: ``engine.step()`` does.
+
+    torch's schedulers check, on their first step, that the optimizer they were built on
+    stepped before them; the engine's steps count as ``caller``'s for that check."""
+    if len(caller.param_groups) != len(engine_opt.param_groups):
+        raise ValueError(f"the optimizer passed to initialize has {len(caller.param_groups)} "
+                         f"param groups, the engine's {len(engine_opt.param_groups)}: cannot "
+                         "bind them")
+    caller.param_groups = engine_opt.param_groups
+
+    def stepped(*_: Any) -> None:
+        # torch's LRScheduler.step warns unless the optimizer it was built on set this
+        # (its step wrapper does); the caller's optimizer steps through the engine
+        caller._opt_called = True  # type: ignore[attr-defined]
+
+    engine_opt.register_step_post_hook(stepped)

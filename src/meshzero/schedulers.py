@@ -183,3 +183,29 @@ def build_scheduler(optimizer: Optimizer, config: SchedulerConfig) -> LRSchedule
     if config.type not in SCHEDULERS:
         raise ValueError(f"scheduler.type = {config.type!r}; valid: {', '.join(SCHEDULERS)}")
     return SCHEDULERS[config.type](optimizer, **config.validated_params())
+
+
+def is_scheduler_object(lr_scheduler: object) -> bool:
+    """A scheduler instance (torch's, or any object with ``step()`` that is not a
+    callable ``optimizer -> scheduler``), as DeepSpeed tells the two apart."""
+    if isinstance(lr_scheduler, LRScheduler):
+        return True
+    return (lr_scheduler is not None and not callable(lr_scheduler)
+            and callable(getattr(lr_scheduler, "step", None)))
+
+
+def check_scheduler_object(lr_scheduler: object, client_optimizer: object) -> None:
+    """``initialize(optimizer=opt, lr_scheduler=sched)`` with ``sched`` built on ``opt``:
+    ``opt`` is bound to the engine's optimizer, so ``sched`` drives training and
+    ``engine.step()`` steps it (DeepSpeed's ``_configure_lr_scheduler`` takes a client
+    scheduler object as it is and ``_take_model_step`` steps it after each applied step).
+    Anything else cannot reach training: refused."""
+    if not isinstance(client_optimizer, Optimizer):
+        raise ValueError(
+            f"lr_scheduler is a {type(lr_scheduler).__name__} object but optimizer= is "
+            f"{type(client_optimizer).__name__}: pass the optimizer instance the scheduler "
+            "was built on as optimizer=, or lr_scheduler as a callable optimizer -> scheduler")
+    built_on = getattr(lr_scheduler, "optimizer", client_optimizer)
+    if built_on is not client_optimizer:
+        raise ValueError(f"lr_scheduler ({type(lr_scheduler).__name__}) was built on another "
+                         "optimizer than the one passed as optimizer=: build it on that one")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from meshzero.checkpoint.atomic import commit_files, discard_temps, prepare_dir, write_temp_bytes
+from meshzero.checkpoint.export import full_shape
 from meshzero.checkpoint.format import TensorSpec
 from meshzero.checkpoint.mesh import on_all_ranks
 from meshzero.checkpoint.model_files import (
@@ -33,7 +34,7 @@ from meshzero.checkpoint.model_files import (
 )
 from meshzero.checkpoint.state import model_names
 from meshzero.checkpoint.training import TrainingState
-from meshzero.checkpoint.weights import _full_shape, _layouts
+from meshzero.checkpoint.weights import _layouts
 from meshzero.hf.files import hf_model_files, render_hf_model_files
 from meshzero.parallel.tensor_state import gather_tp_tensor
 
@@ -50,7 +51,7 @@ def _plan(state: TrainingState, drop: frozenset[str]) -> tuple[list[TensorSpec],
     for group in state.zero.groups:
         slots = []
         for slot in group.layout.slots:
-            shape = _full_shape(slot.shape, layouts.get(slot.name), state.topology.tp_size)
+            shape = full_shape(slot.shape, layouts.get(slot.name), state.topology.tp_size)
             out = [n for n in [slot.name, *names.aliases_of(slot.name)] if n not in drop]
             specs += [TensorSpec(n, dtype, shape) for n in out]
             slots.append((slot, out))

@@ -86,7 +86,9 @@ def _jsonable(value: Any) -> bool:
 # -- optimizer -------------------------------------------------------------------------------
 def optimizer_metadata(state: TrainingState) -> dict:
     """Class and per-group hyperparameters (JSON-able ones; others are skipped with a warning)."""
-    groups = []
+    groups: list[dict] = []
+    if state.optimizer is None:  # an engine without an optimizer (forward only)
+        return {"class": None, "param_groups": groups}
     for i, group in enumerate(state.optimizer.param_groups):
         kept = {}
         for key, value in group.items():
@@ -105,6 +107,8 @@ def optimizer_items(state: TrainingState, info: dict) -> list[Item]:
     """This rank's optimizer state tensors as checkpoint items; group membership, state kinds
     and non-tensor state go into ``info`` (merged over ranks into the manifest)."""
     opt = state.optimizer
+    if opt is None:  # forward only: no fragments, no state
+        return []
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     kinds, members, extra = info["state_kinds"], info["param_group_of"], info["extra_state"]
     items: list[Item] = []
@@ -132,6 +136,7 @@ def optimizer_items(state: TrainingState, info: dict) -> list[Item]:
 def check_optimizer(state: TrainingState, saved: dict, rename: dict[str, str]) -> None:
     """ValueError if the saved optimizer state cannot go into this engine's optimizer."""
     opt = state.optimizer
+    assert opt is not None  # without one no optimizer state is loaded (load_checkpoint)
     if saved["class"] != qualname(opt):
         raise ValueError(f"the checkpoint's optimizer is {saved['class']}, this engine's is "
                          f"{qualname(opt)}; pass load_optimizer_states=False to load only "
@@ -153,6 +158,7 @@ def load_optimizer(state: TrainingState, reader: CheckpointReader, saved: dict,
                    rename: dict[str, str]) -> None:
     """Hyperparameters per group, then the state of every fragment (read by element range)."""
     opt = state.optimizer
+    assert opt is not None  # without one no optimizer state is loaded (load_checkpoint)
     for group, hyper in zip(opt.param_groups, saved["param_groups"], strict=True):
         for key, value in hyper.items():
             if key in group:
@@ -223,7 +229,7 @@ def load_scheduler(state: TrainingState, saved: dict | None, *, set_lr: bool) ->
                               f"{'one' if sched else 'none'}")
         return
     sched.load_state_dict(saved["state"])
-    if set_lr:
+    if set_lr and state.optimizer is not None:  # a scheduler comes with an optimizer
         for group, lr in zip(state.optimizer.param_groups, sched.get_last_lr(), strict=False):
             group["lr"] = lr
 

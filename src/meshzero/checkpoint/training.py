@@ -34,7 +34,7 @@ class TrainingState:
 
     module: nn.Module  # this rank's piece of the model (its stages, tp slices)
     zero: ZeroModelState
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: an engine without one (forward only)
     lr_scheduler: Any  # a torch LR scheduler or None
     loss_scaler: LossScaler
     topology: Topology

@@ -351,8 +351,9 @@ class DeepSpeedEngine(Engine):
         AutoTP); collective; the other ranks get {}."""
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
-    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(  # type: ignore[override]  # DeepSpeed's device= comes second
+            self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+            non_blocking: bool = False) -> None:
         """DeepSpeed's `DeepSpeedEngine.offload_states`: `Engine.offload_states` (to the CPU).
 
         ``include`` and ``device`` take DeepSpeed's ``OffloadStateTypeEnum`` /

@@ -63,7 +63,9 @@ def add_settings_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                    help="which parameters hold gradients, masters and optimizer states: "
                         "'initialize' (default) those with requires_grad at initialize; "
                         "'all' every one, as after unfreezing a backbone frozen at "
-                        "initialize (its flat groups keep their own padding)")
+                        "initialize (its flat groups keep their own padding); 'none' an "
+                        "engine without an optimizer (a frozen reference / reward / EMA model: "
+                        "forward only, parameters and nothing else)")
     g.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="compute dtype; fp32 master weights unless the config sets "
                         "bf16.bf16_master_weights_and_grads (default: the config's bf16/fp16 "

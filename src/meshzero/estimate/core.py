@@ -152,7 +152,7 @@ class Estimator:
     def unfrozen_states(self, settings: Settings, world_size: int) -> Report | None:
         """The model states at rest of the rank holding the most once every parameter
         frozen at initialize is unfrozen; None if none is frozen (or all count already)."""
-        if settings.trainable == "all" or all(
+        if settings.trainable in ("all", "none") or all(
                 g.requires_grad for st in self.rank_states(settings, world_size)
                 for g in st.layout.groups()):
             return None

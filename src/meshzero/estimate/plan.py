@@ -394,6 +394,9 @@ def _trainable_note(base: Settings) -> list[str]:
 
 def plan_with(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: Assumptions,
           global_batch: int | None, try_checkpointing: bool, search_mesh: bool = False) -> Plan:
+    if base.forward_only:
+        raise ValueError("trainable 'none': a plan ranks training configurations; size an "
+                         "engine without an optimizer with meshzero estimate --trainable none")
     if base.seq_len is None:
         seq = estimator.spec.default_seq_len
         if seq is None and not estimator.spec.runnable:

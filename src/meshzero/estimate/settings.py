@@ -29,9 +29,10 @@ from meshzero.zero.offload.stepping import chunk_numel
 OFFLOAD_DEVICES: tuple[str, ...] = get_args(OffloadDevice)
 TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
 ASSUMED_OPTIMIZER = "AdamW"  # no optimizer block: the client's optimizer, assumed AdamW
-# which parameters train: as their requires_grad is at initialize, or every one (a group
-# frozen at initialize and unfrozen later: its own layout and padding, now trainable)
-TRAINABLE = ("initialize", "all")
+# which parameters train: as their requires_grad is at initialize, every one (a group
+# frozen at initialize and unfrozen later: its own layout and padding, now trainable), or
+# none (an engine built without an optimizer: forward only, parameters and nothing else)
+TRAINABLE = ("initialize", "all", "none")
 
 
 @dataclass(frozen=True, init=False)
@@ -75,7 +76,8 @@ class Settings:
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {list(TRAINABLE)}, got "
                              f"{self.trainable!r} ('initialize': requires_grad as it is at "
-                             "initialize; 'all': every parameter, frozen ones unfrozen later)")
+                             "initialize; 'all': every parameter, frozen ones unfrozen later; "
+                             "'none': no optimizer, forward only)")
         if self.config.train_batch_size is not None:
             raise ValueError("Settings needs the batch per rank (micro batch and accumulation "
                              "steps, no train_batch_size): build it with settings_from_config")
@@ -106,12 +108,19 @@ class Settings:
     @property
     def optimizer(self) -> str:
         """Adam (either mode), AdamW, SGD or Lamb (Adam's state bytes)."""
+        if self.forward_only:
+            return "none"
         opt = self.config.optimizer
         return ASSUMED_OPTIMIZER if opt is None else opt.type
 
     @property
+    def forward_only(self) -> bool:
+        """An engine without an optimizer (``trainable="none"``): parameters only."""
+        return self.trainable == "none"
+
+    @property
     def optimizer_assumed(self) -> bool:
-        return self.config.optimizer is None
+        return self.config.optimizer is None and not self.forward_only
 
     @property
     def _optimizer_params(self) -> dict[str, Any]:
@@ -137,6 +146,9 @@ class Settings:
 
     @property
     def offload_optimizer(self) -> str:
+        """offload_optimizer.device; "none" without an optimizer (nothing to offload)."""
+        if self.forward_only:
+            return "none"
         return self.config.zero_optimization.offload_optimizer.device
 
     @property
@@ -300,6 +312,8 @@ class Settings:
         optimizer state: trainable at initialize, or any group with ``trainable="all"``
         (the engine makes a frozen group trainable, with its own padding, when one of its
         parameters is unfrozen: zero/trainability.py)."""
+        if self.forward_only:
+            return False
         return bool(group.requires_grad) or self.trainable == "all"
 
     @property
@@ -337,6 +351,8 @@ class Settings:
         mesh = self.describe_mesh()
         opt = self.optimizer + (" (assumed: the config has no optimizer block)"
                                 if self.optimizer_assumed else "")
+        if self.forward_only:
+            opt = "no optimizer (forward only: parameters, no master, gradients or states)"
         grads = "" if self.grad_dtype == self.precision else f" with {self.grad_dtype} gradients"
         return (f"ZeRO stage {self.stage}, {self.precision}{grads}, {opt}, offload optimizer "
                 f"{self.offload_optimizer} / params {self.offload_param}, micro batch "

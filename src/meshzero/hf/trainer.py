@@ -102,7 +102,7 @@ class _EngineOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.engine.optimizer.param_groups
+        return [] if self.engine.optimizer is None else self.engine.optimizer.param_groups
 
     def step(self, closure: Callable | None = None) -> None:
         """A no-op: ``engine.step()`` ran in ``training_step`` at the boundary."""

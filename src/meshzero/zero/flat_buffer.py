@@ -80,10 +80,13 @@ class FlatGroup:
         device: torch.device,
         tier: Tier,
         init: torch.Tensor | None = None,
+        trains: bool = True,
     ):
         """``tier``: where the master, the gradient shard and the stage-3 shard live.
         ``init``: the group's fp32 values, already laid out (padded_numel,) on ``device``
-        (zero_init materialises parameters in place); parameters not in it are copied in."""
+        (zero_init materialises parameters in place); parameters not in it are copied in.
+        ``trains`` False: an engine without an optimizer, no group gets a master or
+        gradients whatever ``requires_grad`` says."""
         self.tier = tier
         self.layout = layout
         self.params = params
@@ -114,7 +117,7 @@ class FlatGroup:
         self.transient_pool: TransientPool | None = None  # set by the gradient reducer
         self._written: list[bool] | None = None  # transient buffer: slots holding a gradient
         self.trainable = False
-        if layout.requires_grad:
+        if layout.requires_grad and trains:
             self.make_trainable(init[self.owned[0]:self.owned[1]])
         del init
         self._bind_params()

@@ -27,6 +27,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
     OffloadOptions,
     make_tier,
 )
+from meshzero.zero.offload.states import StateOffload, state_names
 from meshzero.zero.offload.transfer import StepTransfers
 from meshzero.zero.owners import register_owner
 from meshzero.zero.reducer import GradientReducer
@@ -39,6 +40,9 @@ from meshzero.zero.sharded_params import (
 from meshzero.zero.trainability import Trainability
 from meshzero.zero.units import Layout, ParamSlot, build_layout
 from meshzero.zero.write_back import Target, broadcast_values, check_modifier_rank, write_values
+
+NO_OPTIMIZER = ("this engine has no optimizer (forward only): pass optimizer= or a config "
+                "'optimizer' block to train")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class ZeroOptions:
     master_dtype: torch.dtype = torch.float32
     # of the process groups ZeRO makes itself (the unit-order check's): faults.comm_timeout
     group_timeout: timedelta | None = None
+    # no optimizer (a frozen reference / reward / EMA model): parameters only, no master,
+    # gradients or optimizer states; forward runs without autograd, backward is refused
+    forward_only: bool = False
 
 
 class ZeroModelState:
@@ -117,6 +124,8 @@ class ZeroModelState:
         self._kept_units: set[int] = set()  # stage 3: units holding a frozen parameter now
         self.closed = False
         self._transfers: StepTransfers = StepTransfers()  # of the last optimizer step
+        # states moved to host memory by offload_states (zero/offload/states.py)
+        self.offloaded = StateOffload(device, self.tier.name, options.offload.param)
 
     def _build_sharder(self, secondary_comm: Communicator | None,
                        ) -> tuple[PhaseCheck, ParameterSharder | None]:
@@ -157,7 +166,8 @@ class ZeroModelState:
                 FlatGroup(g, [self.model.get_parameter(s.name) for s in g.slots],
                           stage=opts.stage, rank=self.comm.rank,
                           compute_dtype=opts.compute_dtype, device=self.device,
-                          tier=self.tier, init=flats.pop(g.index, None))
+                          tier=self.tier, init=flats.pop(g.index, None),
+                          trains=not opts.forward_only)
                 for g in self.layout.units[u].groups
             ]
         return [built[u] for u in range(n_units)]
@@ -238,6 +248,7 @@ class ZeroModelState:
     def materialized(self, write_back: bool = False) -> AbstractContextManager[None]:
         """A context in which every master, optimizer state and shard is in memory (a tier
         that keeps them in files reads them in; ``write_back`` writes changes back)."""
+        self.offloaded.check("checkpoint")
         return self.tier.materialized(write_back)
 
     @contextmanager
@@ -285,10 +296,39 @@ class ZeroModelState:
             self.sharder.release_parameters(unit)
 
     # -- step hooks used by the engine -----------------------------------------------------------
-    def start_forward(self):
+    def require_states(self, call: str = "step") -> None:
+        """Before a backward or a step (``call``): the states it needs are here. An engine
+        built without an optimizer refuses both, as one whose states ``call`` reads are
+        offloaded (offload_states) does."""
+        if self.options.forward_only:
+            raise ValueError(NO_OPTIMIZER)
+        self.offloaded.check(call)
+
+    def offload_states(self, include: Iterable[object] | None = None, *,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move the states named in ``include`` (DeepSpeed's names; None: all) to host
+        memory until :meth:`reload_states` (zero/offload/states.py). Local: no collective."""
+        names = state_names(include)  # checked before anything moves
+        if self.sharder is not None and "lp_params" in names:
+            self.sharder.release_all()  # gathered units go: only the shards remain
+        self.offloaded.offload(names, self.groups, self.optimizer, pin_memory=pin_memory,
+                               non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what :meth:`offload_states` moved (a no-op if nothing is away)."""
+        self.offloaded.reload(non_blocking)
+
+    def start_forward(self) -> AbstractContextManager[object]:
         """Before a forward; returns the context to run it in (stage 3: tensors autograd
-        saves that view a unit's parameters gather it again if backward finds it released)."""
+        saves that view a unit's parameters gather it again if backward finds it released).
+        Without an optimizer: under ``torch.no_grad()`` (no backward can follow, so no
+        graph, no activations kept and no unit held gathered for one)."""
         self._check_open()
+        self.offloaded.check("forward")
+        if self.options.forward_only:
+            if self.sharder is not None:
+                self.sharder.start_forward()
+            return torch.no_grad()
         if self.sharder is None:
             return nullcontext()
         self.sharder.start_forward()
@@ -409,10 +449,11 @@ class ZeroModelState:
         the copy times are read from their events here, waiting for any still running)."""
         return self._transfers.report()
 
-    def memory_report(self, optimizer: torch.optim.Optimizer) -> dict:
+    def memory_report(self, optimizer: torch.optim.Optimizer | None) -> dict:
         """Bytes this rank holds at rest, by category and the tier each buffer lives in, plus
         the tier's staging buffers under ``offload_buffers``."""
         report = self.tier.memory_report(self.groups, optimizer)
+        self.offloaded.adjust(report)  # what offload_states moved is in host memory now
         report["gathered_params_peak"] = self.memory.peak
         return report
 

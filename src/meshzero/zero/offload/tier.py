@@ -395,14 +395,15 @@ class Tier(ABC):
         """Host bytes of staging buffers the tier keeps besides the model states."""
         return 0
 
-    def memory_report(self, groups: list[FlatGroup], optimizer: torch.optim.Optimizer) -> dict:
+    def memory_report(self, groups: list[FlatGroup],
+                      optimizer: torch.optim.Optimizer | None) -> dict:
         """Bytes at rest by category and the tier each buffer lives in (placed by the offload
         config: the host tier is a separate copy even on a CPU-only machine), plus staging
         buffers under ``offload_buffers``."""
         report: dict = {c: dict.fromkeys(TIERS, 0) for c in CATEGORIES}
         for g in groups:
             self._count_group(report, g)
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer is not None else ():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     report["optimizer_states"][self.name] += _nbytes(value)

@@ -19,8 +19,9 @@ class ProcessTopology:
             raise ValueError(f"ProcessTopology(axes={axes}, dims={dims}): one positive size "
                              "per axis")
         self.axes, self.dims = list(axes), [int(d) for d in dims]
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
-        self.mapping = {self.ProcessCoord(*c): r for r, c in enumerate(
+        coord_class: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
+        self.ProcessCoord = coord_class
+        self.mapping = {coord_class._make(c): r for r, c in enumerate(
             itertools.product(*(range(d) for d in self.dims)))}
 
     def get_rank(self, **coord: int) -> int:
