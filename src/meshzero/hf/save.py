@@ -114,11 +114,11 @@ def _by_unit(engine: meshzero.Engine, names: list[str], tensors: dict[str, Any]
              ) -> list[list[str]]:
     """``names`` grouped by the stage-3 unit holding them (one group at stages 0-2), in the
     same order on every rank: gathering one group holds one unit, not the model."""
-    sharder = engine.zero.sharder
-    unit_of: dict[int, int] = getattr(sharder, "_unit_of_param", {}) if sharder else {}
+    staged = engine.zero.sharder is not None  # stage 3: units are gathered one by one
     groups: dict[int, list[str]] = {}
     for name in names:
-        groups.setdefault(unit_of.get(id(tensors[name]), -1), []).append(name)
+        held = engine.zero.slot_of(tensors[name]) if staged else None  # (group, slot)
+        groups.setdefault(held[0].layout.unit if held else -1, []).append(name)
     return [groups[u] for u in sorted(groups)]
 
 
