@@ -1,0 +1,132 @@
+"""The engine's accumulation window: which backward reduces and which step applies.
+
+A mixin of :class:`meshzero.Engine` (it reads the engine's ``batch``, ``zero``, ``config``,
+``pipeline`` and step counters): the boundary of the window (counted, or forced by the
+caller), ``no_sync`` (stages 0-1: backwards that only accumulate), a new train_batch_size
+(the micro batch stays, the accumulation steps change) and the ``"auto"`` micro batch taken
+from the first batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from meshzero.data.batch import BatchSizes, leading_dim
+from meshzero.data.loader import DistributedLoader, loader_batch_size, training_loader
+
+
+class AccumulationWindow:
+    """Engine methods over ``self.batch`` (a :class:`BatchSizes`)."""
+
+    batch: BatchSizes
+    micro_steps: int
+    pipeline: Any
+    zero: Any
+    config: Any
+    topology: Any
+    device: Any
+    # micro_steps when the window counting started (moved by set_train_batch_size), the
+    # caller's forced boundary (None: counted), whether inside no_sync()
+    _window_base: int = 0
+    _boundary_override: bool | None = None
+    _in_no_sync: bool = False
+
+    def train_batch_size(self) -> int:
+        return self.batch.global_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.accumulation
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.accumulation
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next backward reduces and the next step applies: the caller's
+        :meth:`set_gradient_accumulation_boundary` when given, else every
+        ``gradient_accumulation_steps``-th micro-step."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps - self._window_base + 1) % self.batch.accumulation == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force the boundary for the following backwards and steps (True: the next
+        backward reduces and ``step()`` applies; False: they only accumulate); None counts
+        micro-steps again. Stays until changed."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise ValueError(f"set_gradient_accumulation_boundary(is_boundary): a bool or None, "
+                             f"got {is_boundary!r}")
+        self._boundary_override = is_boundary
+
+    def reduces_in_backward(self) -> bool:
+        """The boundary as the next backward sees it: never inside ``no_sync()``."""
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``with engine.no_sync():`` backwards accumulate gradients on this rank without
+        reducing them; the first backward on the boundary outside reduces everything.
+        Stages 0-1 only (stages 2-3 reduce-scatter every backward into the shards); no
+        ``step()`` inside; not re-entrant."""
+        stage = self.config.zero_optimization.stage
+        if stage >= 2:
+            raise ValueError(f"no_sync() is not possible at zero_optimization.stage {stage}: "
+                             "stages 2-3 reduce-scatter gradients into shards every backward; "
+                             "use gradient_accumulation_steps (or stage 0-1)")
+        if self._in_no_sync:
+            raise ValueError("no_sync() is already active: it is not re-entrant")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def check_step_allowed(self) -> None:
+        if self._in_no_sync:
+            raise ValueError("engine.step() inside no_sync(): leave the block first (its "
+                             "gradients are not reduced yet)")
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch: the micro batch stays, ``gradient_accumulation_steps``
+        becomes train_batch_size / (micro batch x data-parallel size). Between optimizer
+        steps only."""
+        if self.pipeline is not None:
+            raise ValueError("set_train_batch_size() with pipeline_parallel.size > 1: the "
+                             "pipeline schedule's micro-batches are fixed at initialize")
+        if (self.micro_steps - self._window_base) % self.batch.accumulation:
+            raise ValueError("set_train_batch_size() in the middle of an accumulation window; "
+                             "call it after engine.step() applied")
+        batch = self.batch.set_train_batch_size(train_batch_size)
+        self._window_base = self.micro_steps
+        self.config = self.config.with_batch(*batch)
+
+    def take_micro_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The first forward with a pending ``"auto"`` micro batch: its leading dimension."""
+        batch = self.batch.resolve(leading_dim(args, kwargs),
+                                   "the leading dimension of the first batch engine(...) saw")
+        self.config = self.config.with_batch(*batch)
+
+    def data_loader(self, training_data: Any, collate_fn: Any = None, *,
+                    batch_size: int | None = None) -> DistributedLoader:
+        """A loader of ``training_data`` (a map-style Dataset, or a DataLoader whose
+        dataset, collate_fn and shuffling are kept) for this rank: ``batch_size`` (default
+        the micro batch) samples per batch, a DistributedSampler over the data-parallel
+        ranks, seeded by ``seed`` (shuffled, except with pipeline parallelism, as
+        DeepSpeed), ``dataloader_drop_last``."""
+        given = loader_batch_size(training_data)
+        if batch_size is None and given is not None and given != self.batch.micro:
+            raise ValueError(f"training_data is a DataLoader with batch_size {given}, but the "
+                             f"micro batch is {self.batch.micro} (train_micro_batch_size_per_"
+                             "gpu, or train_batch_size / accumulation / data-parallel size); "
+                             "make them agree")
+        return training_loader(
+            training_data, micro_batch=batch_size or self.batch.micro,
+            dp_rank=self.topology.dp_rank, dp_size=self.topology.dp_size,
+            collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
+            shuffle=self.pipeline is None, seed=self.config.seed or 0,
+            pin_memory=self.device.type == "cuda")
