@@ -94,7 +94,8 @@ def training_loader(training_data: Any, *, micro_batch: int, dp_rank: int, dp_si
                          f"DataLoader over one, got {type(training_data).__name__}: a sampler "
                          "cannot split an iterable dataset over the data-parallel ranks; "
                          "shard it yourself and pass batches to the engine")
-    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
-                                 seed=seed, drop_last=drop_last)
+    sampler: DistributedSampler = DistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
+        drop_last=drop_last)
     return DistributedLoader(dataset, micro_batch, sampler=sampler, collate_fn=collate_fn,
                              drop_last=drop_last, pin_memory=pin_memory)

@@ -23,7 +23,6 @@ class AccumulationWindow:
     batch: BatchSizes
     micro_steps: int
     pipeline: Any
-    zero: Any
     config: Any
     topology: Any
     device: Any
