@@ -134,14 +134,13 @@ def test_surface_errors_name_the_fix():
     """DeepSpeed's ``no_sync`` asserts against stage 2/3, re-entry and ``step()`` inside;
     ``set_train_batch_size`` raises when not divisible (here with the three numbers)."""
     engine = _engine(_sgd(2, MICRO))
-    with pytest.raises(ValueError, match="not possible at zero_optimization.stage 2"):
-        with engine.no_sync():
-            pass
+    with pytest.raises(ValueError, match="not possible at zero_optimization.stage 2"), \
+            engine.no_sync():
+        pass
     engine = _engine(_sgd(1, MICRO))
     with engine.no_sync():
-        with pytest.raises(ValueError, match="not re-entrant"):
-            with engine.no_sync():
-                pass
+        with pytest.raises(ValueError, match="not re-entrant"), engine.no_sync():
+            pass
         with pytest.raises(ValueError, match=r"step\(\) inside no_sync"):
             engine.step()
     with pytest.raises(ValueError, match=r"train_batch_size \(7\) must be a positive multiple "
