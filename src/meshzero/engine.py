@@ -9,7 +9,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.config.load import log_accepted
-from meshzero.data import BatchSizes, Repeating, micro_batch_from_data
+from meshzero.data import Repeating, micro_batch_from_data
 from meshzero.data.window import AccumulationWindow
 from meshzero.faults import StepGuard
 from meshzero.log import setup_logging, warn_once
@@ -83,11 +83,7 @@ class Engine(AccumulationWindow, nn.Module):
         self.topology: Topology = built.topology
         self.device = built.topology.device
         self.compute_dtype = config.compute_dtype
-        self.batch = BatchSizes(*built.batch, dp_size=built.topology.dp_size)
-        if not self.batch.pending:  # engine.config holds the numbers it trains with
-            self.config = config.with_batch(*cast(tuple[int, int, int], built.batch))
-        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
-        self._data_iterator: Iterator | None = None  # train_batch() without data_iter
+        self.init_batch(built.batch, built.topology.dp_size)  # data/window.py
         self.monitor = Monitor.from_config(config, built.topology.rank)
         log_accepted(config)
         self.comm_stats = built.comms.stats

@@ -96,9 +96,10 @@ AUTO_RULES: tuple[AutoRule, ...] = (
              lambda r: LEAVE_OUT),
     AutoRule("train_micro_batch_size_per_gpu",
              "per_device_train_batch_size (Accelerate: the DataLoader's batch size)",
-             "derived from train_batch_size when that is a number, else the batch size of "
-             "training_data (a DataLoader) or the leading dimension of the first batch "
-             "engine(...) sees; refused with pipeline parallelism (Accelerate raises)",
+             "derived from train_batch_size when that is a number, else training_data's "
+             "batch size (a DataLoader) or the leading dimension of the first batch "
+             "engine(...) sees; with neither (or pipeline parallelism without a DataLoader) "
+             "refused, as Accelerate refuses",
              _micro),
     AutoRule("gradient_accumulation_steps",
              "gradient_accumulation_steps (Accelerate: its plugin's, default 1)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from meshzero.data.batch import BatchSizes, leading_dim
 from meshzero.data.loader import DistributedLoader, loader_batch_size, training_loader
@@ -31,6 +31,15 @@ class AccumulationWindow:
     _window_base: int = 0
     _boundary_override: bool | None = None
     _in_no_sync: bool = False
+
+    def init_batch(self, batch: tuple[int | None, int | None, int], dp_size: int) -> None:
+        """At construction: the batch numbers build resolved (the first two None while an
+        "auto" micro batch is pending); engine.config then holds them."""
+        self.batch = BatchSizes(*batch, dp_size=dp_size)
+        if not self.batch.pending:
+            self.config = self.config.with_batch(*cast(tuple[int, int, int], batch))
+        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
+        self._data_iterator: Iterator | None = None  # train_batch() without data_iter
 
     def train_batch_size(self) -> int:
         return self.batch.global_batch
