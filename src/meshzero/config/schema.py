@@ -2,7 +2,6 @@
 together. Each default lives on its field and each rule in one place: the estimator reads a
 `Config` rather than restating them."""
 
-import copy
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -84,9 +83,8 @@ class Config(BaseModel):
     _warnings: tuple[str, ...] = PrivateAttr(default=())
     _needs_model: tuple[dict[str, Any], dict[str, Any]] | None = PrivateAttr(default=None)
     # "auto" micro batch with no train_batch_size: known from the training data or the
-    # first batch (data/batch.py); `_json` caches the DeepSpeed dict view
+    # first batch (data/batch.py)
     _micro_batch_pending: bool = PrivateAttr(default=False)
-    _json: dict[str, Any] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> "Config":
@@ -144,35 +142,31 @@ class Config(BaseModel):
         new = self.model_copy(update={"train_batch_size": train_batch_size,
                                       "train_micro_batch_size_per_gpu": micro,
                                       "gradient_accumulation_steps": accumulation})
-        new._micro_batch_pending, new._json = False, None
+        new._micro_batch_pending = False
         return new
 
     def with_micro_batch(self, micro: int) -> "Config":
         """A copy whose pending micro batch is ``micro`` (the batch rule then applies)."""
         new = self.model_copy(update={"train_micro_batch_size_per_gpu": micro})
-        new._micro_batch_pending, new._json = False, None
+        new._micro_batch_pending = False
         return new
 
     # -- DeepSpeed's dict: engine.config["zero_optimization"]["stage"] ----------------------------
     def as_dict(self) -> dict[str, Any]:
         """The resolved config as DeepSpeed's JSON dict ("auto" filled, defaults included,
-        unset keys left out); a copy."""
-        return copy.deepcopy(self._view())
-
-    def _view(self) -> dict[str, Any]:
-        if self._json is None:
-            self._json = self.model_dump(mode="json", exclude_none=True)
-        return self._json
+        unset keys left out); a fresh copy each call (the config stays read-only)."""
+        # not cached: a private cache would take part in pydantic's == of two configs
+        return self.model_dump(mode="json", exclude_none=True)
 
     def __getitem__(self, key: str) -> Any:
-        return copy.deepcopy(self._view()[key])
+        return self.as_dict()[key]
 
     def get(self, key: str, default: Any = None) -> Any:
         """DeepSpeed's ``config.get(key, default)`` on the resolved dict."""
-        return copy.deepcopy(self._view().get(key, default))
+        return self.as_dict().get(key, default)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._view()
+        return key in self.as_dict()
 
     def keys(self) -> list[str]:  # type: ignore[override]
         return list(self.as_dict())
