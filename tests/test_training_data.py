@@ -149,3 +149,28 @@ def test_bad_training_data_is_refused():
     with pytest.raises(ValueError, match="DataLoader with batch_size 3, but the micro batch is 4"):
         meshzero.initialize(model=build_model("mlp"), config=cfg,
                             training_data=DataLoader(TensorDataset(x, y), batch_size=3))
+
+
+def test_deepspeed_dataloader_and_repeating_loader():
+    """DeepSpeed's ``DeepSpeedDataLoader.__init__`` (runtime/dataloader.py): with
+    ``local_rank >= 0`` a ``DistributedSampler(dataset, num_replicas, rank)`` (shuffled, seed
+    0, never set_epoch), ``tput_timer.start()`` per batch, curriculum learning via its
+    config; ``RepeatingLoader.__next__`` restarts on StopIteration."""
+    from meshzero.deepspeed.runtime.dataloader import DeepSpeedDataLoader, RepeatingLoader
+
+    starts = []
+    timer = type("Timer", (), {"start": lambda self: starts.append(1)})()
+    x, y = _data()
+    data = TensorDataset(x, y, torch.arange(SAMPLES))
+    loader = DeepSpeedDataLoader(data, batch_size=4, pin_memory=False, local_rank=0,
+                                 tput_timer=timer, collate_fn=_collate, num_local_io_workers=0,
+                                 data_parallel_world_size=2, data_parallel_rank=1)
+    perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()[1::2]
+    got = [b["idx"].tolist() for b in loader]
+    assert got == [perm[i:i + 4] for i in range(0, 16, 4)] and len(loader) == 4
+    assert len(starts) == 5  # as DeepSpeed: also before the next() that ends the pass
+    again = RepeatingLoader([1, 2, 3])
+    assert [next(again) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(NotImplementedError, match="curriculum_learning"):
+        DeepSpeedDataLoader(data, 2, False, 0, None,
+                            deepspeed_dataloader_config={"curriculum_learning": True})

@@ -78,10 +78,11 @@ def loader_batch_size(training_data: Any) -> int | None:
 
 def training_loader(training_data: Any, *, micro_batch: int, dp_rank: int, dp_size: int,
                     collate_fn: Callable | None = None, drop_last: bool = False,
-                    shuffle: bool = True, seed: int = 0,
-                    pin_memory: bool = False) -> DistributedLoader:
+                    shuffle: bool = True, seed: int = 0, pin_memory: bool = False,
+                    sampler: Sampler | None = None) -> DistributedLoader:
     """The loader over ``training_data`` (a map-style Dataset, or a DataLoader whose
-    dataset, collate_fn and shuffling are kept) for data-parallel rank ``dp_rank``."""
+    dataset, collate_fn and shuffling are kept) for data-parallel rank ``dp_rank``; a
+    ``sampler`` given replaces the DistributedSampler."""
     dataset = training_data
     if isinstance(training_data, DataLoader):
         dataset = training_data.dataset
@@ -94,8 +95,8 @@ def training_loader(training_data: Any, *, micro_batch: int, dp_rank: int, dp_si
                          f"DataLoader over one, got {type(training_data).__name__}: a sampler "
                          "cannot split an iterable dataset over the data-parallel ranks; "
                          "shard it yourself and pass batches to the engine")
-    sampler: DistributedSampler = DistributedSampler(
-        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
-        drop_last=drop_last)
+    if sampler is None:
+        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank,
+                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DistributedLoader(dataset, micro_batch, sampler=sampler, collate_fn=collate_fn,
                              drop_last=drop_last, pin_memory=pin_memory)

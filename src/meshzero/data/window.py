@@ -120,12 +120,14 @@ class AccumulationWindow:
         self.config = self.config.with_batch(*batch)
 
     def data_loader(self, training_data: Any, collate_fn: Any = None, *,
-                    batch_size: int | None = None) -> DistributedLoader:
+                    batch_size: int | None = None, shuffle: bool | None = None,
+                    sampler: Any = None) -> DistributedLoader:
         """A loader of ``training_data`` (a map-style Dataset, or a DataLoader whose
         dataset, collate_fn and shuffling are kept) for this rank: ``batch_size`` (default
         the micro batch) samples per batch, a DistributedSampler over the data-parallel
-        ranks, seeded by ``seed`` (shuffled, except with pipeline parallelism, as
-        DeepSpeed), ``dataloader_drop_last``."""
+        ranks, seeded by ``seed`` (``shuffle`` default: shuffled, except with pipeline
+        parallelism, as DeepSpeed), ``dataloader_drop_last``; or the caller's
+        ``sampler``."""
         given = loader_batch_size(training_data)
         if batch_size is None and given is not None and given != self.batch.micro:
             raise ValueError(f"training_data is a DataLoader with batch_size {given}, but the "
@@ -136,5 +138,5 @@ class AccumulationWindow:
             training_data, micro_batch=batch_size or self.batch.micro,
             dp_rank=self.topology.dp_rank, dp_size=self.topology.dp_size,
             collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
-            shuffle=self.pipeline is None, seed=self.config.seed or 0,
-            pin_memory=self.device.type == "cuda")
+            shuffle=self.pipeline is None if shuffle is None else shuffle,
+            seed=self.config.seed or 0, pin_memory=self.device.type == "cuda", sampler=sampler)
