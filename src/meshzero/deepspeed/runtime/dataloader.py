@@ -14,8 +14,9 @@ from meshzero.data.loader import DistributedLoader, Repeating
 
 
 class RepeatingLoader(Repeating):
-    """DeepSpeed's `deepspeed.utils.RepeatingLoader`: meshzero's `meshzero.data.Repeating`, an
-    endless iterator that restarts ``loader`` when it ends."""
+    """DeepSpeed's `deepspeed.utils.RepeatingLoader`: `meshzero.data.Repeating`, endless.
+
+    An iterator that restarts ``loader`` when it ends (an empty loader stops)."""
 
     def __init__(self, loader: Iterable[Any]):
         """DeepSpeed's `RepeatingLoader(loader)`: wraps any iterable (a DataLoader, a list)."""
@@ -23,8 +24,10 @@ class RepeatingLoader(Repeating):
 
 
 class DeepSpeedDataLoader:
-    """DeepSpeed's `deepspeed.runtime.dataloader.DeepSpeedDataLoader`: meshzero's
-    `DistributedLoader` with DeepSpeed's sampler choice (what `engine.data_loader` builds)."""
+    """DeepSpeed's `deepspeed.runtime.dataloader.DeepSpeedDataLoader`: a DistributedLoader.
+
+    meshzero's `meshzero.data.DistributedLoader` with DeepSpeed's sampler choice; the
+    engine's own loader is `engine.data_loader` / `initialize(training_data=...)`."""
 
     def __init__(self, dataset: Any, batch_size: int, pin_memory: bool, local_rank: int,
                  tput_timer: Any, collate_fn: Callable | None = None,
@@ -32,7 +35,7 @@ class DeepSpeedDataLoader:
                  data_parallel_world_size: int | None = None,
                  data_parallel_rank: int | None = None, dataloader_drop_last: bool = False,
                  deepspeed_dataloader_config: dict | None = None):
-        """DeepSpeed's `DeepSpeedDataLoader(...)`: its arguments, honoured.
+        """DeepSpeed's `DeepSpeedDataLoader(...)`: every argument honoured.
 
         With ``local_rank >= 0`` a DistributedSampler over
         ``data_parallel_world_size`` ranks (default: the world), else a RandomSampler over
