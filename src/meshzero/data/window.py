@@ -13,8 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
+import torch
+
+from meshzero.config.schema import Config
 from meshzero.data.batch import BatchSizes, leading_dim
 from meshzero.data.loader import DistributedLoader, loader_batch_size, training_loader
+from meshzero.topology import Topology
 
 
 class AccumulationWindow:
@@ -23,9 +27,9 @@ class AccumulationWindow:
     batch: BatchSizes
     micro_steps: int
     pipeline: Any
-    config: Any
-    topology: Any
-    device: Any
+    config: Config
+    topology: Topology
+    device: torch.device
     # micro_steps when the window counting started (moved by set_train_batch_size), the
     # caller's forced boundary (None: counted), whether inside no_sync()
     _window_base: int = 0
