@@ -1,10 +1,10 @@
 """The engine's accumulation window: which backward reduces and which step applies.
 
-A mixin of :class:`meshzero.Engine` (it reads the engine's ``batch``, ``zero``, ``config``,
-``pipeline`` and step counters): the boundary of the window (counted, or forced by the
-caller), ``no_sync`` (stages 0-1: backwards that only accumulate), a new train_batch_size
-(the micro batch stays, the accumulation steps change) and the ``"auto"`` micro batch taken
-from the first batch.
+A mixin of :class:`meshzero.Engine` (it reads the engine's ``config``, ``topology``,
+``pipeline`` and step counters, and owns ``batch``): the boundary of the window (counted, or
+forced by the caller), ``no_sync`` (stages 0-1: backwards that only accumulate), a new
+train_batch_size (the micro batch stays, the accumulation steps change), the ``"auto"`` micro
+batch taken from the first batch, and the loader of ``initialize(training_data=...)``.
 """
 
 from __future__ import annotations
