@@ -97,7 +97,7 @@ def _new_batch_size(rank: int, world: int) -> dict:
 
 
 def _surface(rank: int, world: int) -> dict:
-    return {"no_sync": _no_sync(rank, world, 0 if world == 2 else 1),
+    return {"no_sync": _no_sync(rank, world, {1: 1, 2: 0, 4: 2}[world]),
             "retain_graph": _retain_graph(rank, world),
             "boundary": _forced_boundary(rank, world),
             "batch_size": _new_batch_size(rank, world)}
@@ -112,10 +112,11 @@ def _close(got: dict, ref) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_training_surface_equals_plain_torch(run_ranks, world):
     """DeepSpeed's ``DeepSpeedEngine.no_sync`` (no reduction inside; the next backward
-    reduces), ``backward(retain_graph=)`` (passed to autograd),
-    ``set_gradient_accumulation_boundary`` (the caller's boundary, read by
-    ``is_gradient_accumulation_boundary``) and ``set_train_batch_size`` (new gas, same
-    micro batch), each against plain torch on the global batch."""
+    reduces; at W = 4 stage 2, which meshzero allows, reducing each backward),
+    ``backward(retain_graph=)`` (passed to autograd), ``set_gradient_accumulation_boundary``
+    (the caller's boundary, read by ``is_gradient_accumulation_boundary``) and
+    ``set_train_batch_size`` (new gas, same micro batch), each against plain torch on the
+    global batch."""
     res = run_ranks(_surface, world)[0]
     model = lambda: build_model("mlp")  # noqa: E731
     sgd = {"optimizer": "SGD", "lr": 2 * LR, "weight_decay": 0.0}  # 2 x lr: summed grads
@@ -131,12 +132,9 @@ def test_training_surface_equals_plain_torch(run_ranks, world):
 
 
 def test_surface_errors_name_the_fix():
-    """DeepSpeed's ``no_sync`` asserts against stage 2/3, re-entry and ``step()`` inside;
+    """DeepSpeed's ``no_sync`` asserts against re-entry and ``step()`` inside (and stage 2/3:
+    meshzero's core allows those, Accelerate calls it at any stage; tested in training);
     ``set_train_batch_size`` raises when not divisible (here with the three numbers)."""
-    engine = _engine(_sgd(2, MICRO))
-    with pytest.raises(ValueError, match="not possible at zero_optimization.stage 2"), \
-            engine.no_sync():
-        pass
     engine = _engine(_sgd(1, MICRO))
     with engine.no_sync():
         with pytest.raises(ValueError, match="not re-entrant"), engine.no_sync():

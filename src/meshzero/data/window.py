@@ -9,6 +9,7 @@ batch taken from the first batch, and the loader of ``initialize(training_data=.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -18,7 +19,10 @@ import torch
 from meshzero.config.schema import Config
 from meshzero.data.batch import BatchSizes, leading_dim
 from meshzero.data.loader import DistributedLoader, loader_batch_size, training_loader
+from meshzero.log import warn_once
 from meshzero.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 
 class AccumulationWindow:
@@ -81,15 +85,17 @@ class AccumulationWindow:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """``with engine.no_sync():`` backwards accumulate gradients on this rank without
-        reducing them; the first backward on the boundary outside reduces everything.
-        Stages 0-1 only (stages 2-3 reduce-scatter every backward into the shards); no
-        ``step()`` inside; not re-entrant."""
+        """``with engine.no_sync():`` backwards accumulate gradients without stepping: at
+        stages 0-1 on this rank, unreduced, and the first backward on the boundary outside
+        reduces everything; at stages 2-3 each backward still reduce-scatters into the shards
+        (the same gradients, no saving; one WARNING). No ``step()`` inside; not
+        re-entrant. (DeepSpeed's refuses stages 2-3: meshzero.deepspeed keeps that, while
+        Accelerate's ``no_sync(model)`` calls this at any stage.)"""
         stage = self.config.zero_optimization.stage
         if stage >= 2:
-            raise ValueError(f"no_sync() is not possible at zero_optimization.stage {stage}: "
-                             "stages 2-3 reduce-scatter gradients into shards every backward; "
-                             "use gradient_accumulation_steps (or stage 0-1)")
+            warn_once(logger, f"no_sync() at zero_optimization.stage {stage}: gradients are "
+                      "still reduce-scattered every backward (the shards hold them); the "
+                      "result is the same, without the communication saving")
         if self._in_no_sync:
             raise ValueError("no_sync() is already active: it is not re-entrant")
         self._in_no_sync = True
