@@ -139,7 +139,8 @@ def test_surface_errors_name_the_fix():
     with engine.no_sync():
         with pytest.raises(ValueError, match="not re-entrant"), engine.no_sync():
             pass
-        with pytest.raises(ValueError, match=r"step\(\) inside no_sync"):
+        with pytest.raises(ValueError, match=r"step\(\) on the accumulation boundary inside "
+                           "no_sync"):
             engine.step()
     with pytest.raises(ValueError, match=r"train_batch_size \(7\) must be a positive multiple "
                        r"of train_micro_batch_size_per_gpu \(2\) \* data-parallel size \(1\)"):

@@ -88,8 +88,8 @@ class AccumulationWindow:
         """``with engine.no_sync():`` backwards accumulate gradients without stepping: at
         stages 0-1 on this rank, unreduced, and the first backward on the boundary outside
         reduces everything; at stages 2-3 each backward still reduce-scatters into the shards
-        (the same gradients, no saving; one WARNING). No ``step()`` inside; not
-        re-entrant. (DeepSpeed's refuses stages 2-3: meshzero.deepspeed keeps that, while
+        (the same gradients, no saving; one WARNING). Not re-entrant. ``step()`` inside only counts a micro-step off the boundary; on it,
+        it is refused. (DeepSpeed's refuses stages 2-3: meshzero.deepspeed keeps that, while
         Accelerate's ``no_sync(model)`` calls this at any stage.)"""
         stage = self.config.zero_optimization.stage
         if stage >= 2:
@@ -105,9 +105,12 @@ class AccumulationWindow:
             self._in_no_sync = False
 
     def check_step_allowed(self) -> None:
-        if self._in_no_sync:
-            raise ValueError("engine.step() inside no_sync(): leave the block first (its "
-                             "gradients are not reduced yet)")
+        """A step that would apply inside ``no_sync()`` is refused (its gradients are not
+        reduced); off the boundary ``step()`` only counts the micro-step, as the Trainer
+        (MeshzeroTrainer) calls it every micro-batch."""
+        if self._in_no_sync and self.is_gradient_accumulation_boundary():
+            raise ValueError("engine.step() on the accumulation boundary inside no_sync(): "
+                             "leave the block first (its gradients are not reduced yet)")
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch: the micro batch stays, ``gradient_accumulation_steps``
