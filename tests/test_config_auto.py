@@ -52,7 +52,7 @@ def test_every_key_gets_the_value_hugging_face_picks_without_arguments() -> None
     opt = config.optimizer.validated_params()  # type: ignore[union-attr]
     sched = config.scheduler.validated_params()  # type: ignore[union-attr]
     zc = config.zero_optimization
-    assert config.resolve_batch(4) == (4, 1, 1)
+    assert config.micro_batch_pending and config.batch_sizes(4) == (None, None, 1)
     assert config.gradient_clipping == 1.0
     assert (opt["lr"], list(opt["betas"]), opt["eps"], opt["weight_decay"]) == (
         5e-5, [0.9, 0.999], 1e-8, 0.0)
@@ -114,8 +114,8 @@ def test_a_config_loaded_alone_is_resolved_again_with_the_model() -> None:
       "gradient_accumulation_steps": 2}, (16, 4, 2)),  # micro derived
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
       "gradient_accumulation_steps": "auto"}, (16, 4, 2)),  # accumulation derived
-    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-      "gradient_accumulation_steps": 3}, (6, 1, 3)),  # Accelerate's micro batch 1
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": "auto"}, (4, 2, 1)),  # accumulation 1
 ])  # fmt: skip
 def test_batch_keys(given: dict[str, Any], expected: tuple[int, int, int]) -> None:
     assert load_config(given).resolve_batch(2) == expected
@@ -187,3 +187,56 @@ def _capture(run: Any) -> list[tuple[int, str]]:
         log.removeHandler(handler)
         log.setLevel(level)
     return records
+
+
+# -- "auto" micro batch with nothing in the config to derive it from ---------------------------
+PENDING = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+NOT_YET = 'train_micro_batch_size_per_gpu is "auto" and train_batch_size is not a number'
+
+
+def test_pending_micro_batch_comes_from_the_first_batch() -> None:
+    """Accelerate's ``_prepare_deepspeed`` takes it from the DataLoader's batch size and
+    raises without one; meshzero also takes the first batch's leading dimension (INFO)."""
+    engine, *_ = meshzero.initialize(model=Tiny(), config=PENDING)
+    assert engine.gradient_accumulation_steps() == 3  # known: it does not depend on it
+    for ask in (engine.train_batch_size, engine.train_micro_batch_size_per_gpu):
+        with pytest.raises(ValueError, match=NOT_YET):
+            ask()
+
+    def first_forward() -> tuple[meshzero.Engine]:
+        engine(torch.zeros(5, 8))
+        return (engine,)
+
+    records = _capture(first_forward)
+    assert [m for _, m in records if "from the leading dimension" in m] == [
+        '"auto" train_micro_batch_size_per_gpu = 5, from the leading dimension of the first '
+        "batch engine(...) saw: train_batch_size = 15 (x 3 accumulation steps x 1 "
+        "data-parallel ranks)"]
+    assert (engine.train_batch_size(), engine.config["train_micro_batch_size_per_gpu"]) == (15, 5)
+
+
+def test_pending_micro_batch_comes_from_a_dataloader() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.zeros(12, 8))
+    records = _capture(lambda: meshzero.initialize(model=Tiny(), config=PENDING,
+                                                   training_data=DataLoader(data, batch_size=4)))
+    assert '"auto" train_micro_batch_size_per_gpu = 4, from training_data\'s batch_size' in [
+        m for _, m in records]
+    with pytest.raises(ValueError, match="training_data is a Dataset, which has no batch size"):
+        meshzero.initialize(model=Tiny(), config=PENDING, training_data=data)
+
+
+def test_pending_micro_batch_is_refused_where_it_must_be_known() -> None:
+    """With pipeline parallelism the schedule is built at initialize (DeepSpeed's
+    PipelineEngine asserts train_batch_size = micro x micro_batches x dp there); and a
+    first batch with no tensor says nothing."""
+    piped = load_config({**PENDING, "gradient_accumulation_steps": "auto",
+                         "pipeline_parallel": {"size": 2}})
+    with pytest.raises(ConfigError, match="with pipeline_parallel.size > 1 the micro batch "
+                       "is needed at initialize"):
+        piped.batch_sizes(1)
+    engine, *_ = meshzero.initialize(model=Tiny(), config=PENDING)
+    with pytest.raises(ValueError, match="holds no tensor with a batch dimension"):
+        engine([1.0] * 8)

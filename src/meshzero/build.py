@@ -76,7 +76,9 @@ class Built:
 
     topology: Topology
     comms: Comms
-    batch: tuple[int, int, int]  # (train_batch_size, micro batch per rank, accumulation)
+    # (train_batch_size, micro batch per rank, accumulation); the first two None while an
+    # "auto" micro batch waits for the first batch (Config.micro_batch_pending)
+    batch: tuple[int | None, int | None, int]
     module: nn.Module
     pipeline: Pipeline | None
     zero: ZeroModelState
@@ -110,7 +112,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
         logger.info("%s", topology.rank_map())
     if topology.sp_size > 1 and isinstance(model, nn.Module):  # before any work (a factory's
         check_heads(model, topology.sp_size)  # model: once it is built, in _sequence)
-    batch = config.resolve_batch(topology.dp_size)  # the batch rule needs the dp size
+    batch = config.batch_sizes(topology.dp_size)  # the batch rule needs the dp size
     if config.seed is not None:  # before materialising: initialisation draws from it
         torch.manual_seed(config.seed)
     comms = _communicators(topology, config)
@@ -200,7 +202,8 @@ def _broadcast(model: nn.Module, topology: Topology, dp: Communicator) -> None:
         broadcast_module(model, world, src=0)
 
 
-def _cut(model: nn.Module, config: Config, topology: Topology, batch: tuple[int, int, int],
+def _cut(model: nn.Module, config: Config, topology: Topology,
+         batch: tuple[int | None, int | None, int],
          stats: CommStats, **pipeline_args: Any) -> tuple[nn.Module, Pipeline | None]:
     """``(module this rank trains, Pipeline or None)`` after the pipeline and tp cuts."""
     pp, tp = config.pipeline_parallel, config.tensor_parallel
@@ -222,7 +225,7 @@ def _cut(model: nn.Module, config: Config, topology: Topology, batch: tuple[int,
 
 
 def _check_pipeline_batches(config: Config, topology: Topology,
-                            batch: tuple[int, int, int]) -> None:
+                            batch: tuple[int | None, int | None, int]) -> None:
     pp = config.pipeline_parallel
     global_batch, micro, accum = batch
     if pp.micro_batches is not None and pp.micro_batches != accum:

@@ -20,6 +20,8 @@ from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.config.load import log_accepted
+from meshzero.data import Repeating, micro_batch_from_data
+from meshzero.data.window import AccumulationWindow
 from meshzero.faults import StepGuard
 from meshzero.log import setup_logging, warn_once
 from meshzero.parallel.compose import count_p2p, stage_phase_hooks
@@ -55,7 +57,7 @@ def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
                        "collective was never matched); they were not waited on", left)
 
 
-class Engine(nn.Module):
+class Engine(AccumulationWindow, nn.Module):
     """Wraps the user's module; ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(
@@ -81,7 +83,7 @@ class Engine(nn.Module):
         self.topology: Topology = built.topology
         self.device = built.topology.device
         self.compute_dtype = config.compute_dtype
-        self.global_batch, self.micro_batch, self.grad_accum = built.batch
+        self.init_batch(built.batch, built.topology.dp_size)  # data/window.py
         self.monitor = Monitor.from_config(config, built.topology.rank)
         log_accepted(config)
         self.comm_stats = built.comms.stats
@@ -110,8 +112,8 @@ class Engine(nn.Module):
         self._last_peak = self.zero.memory.peak
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._step_loss = 0.0  # mean loss of the step's micro-batches, for the monitors
-        # the global grad norm (unscaled, before clipping) of the last step, when clipping
-        # computed one (None: no clipping, an fp16 overflow, or no step yet)
+        # the global grad norm (unscaled, before clipping) of the last applied step (None:
+        # an fp16 overflow, units stepped during backward by the cpu tier, or no step yet)
         self.last_grad_norm: float | None = None
         self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
@@ -123,19 +125,7 @@ class Engine(nn.Module):
     micro_steps = _counter("micro_steps")
     skipped_steps = _counter("skipped_steps")
 
-    # -- DeepSpeed-style accessors ---------------------------------------------------------------
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.grad_accum == 0
-
-    def train_batch_size(self) -> int:
-        return self.global_batch
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.micro_batch
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.grad_accum
-
+    # -- DeepSpeed-style accessors (the batch ones: data/window.py) ------------------------------
     def get_lr(self) -> list[float]:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
@@ -167,6 +157,10 @@ class Engine(nn.Module):
         if pipe is None:
             raise ValueError("train_batch() drives a pipeline (pipeline_parallel.size > 1); "
                              "without one use engine(x), engine.backward(loss), engine.step()")
+        if data_iter is None and self.training_dataloader is not None:
+            if self._data_iterator is None:  # initialize(training_data=...), restarting
+                self._data_iterator = Repeating(self.training_dataloader)
+            data_iter = self._data_iterator
         inputs = targets = None
         if pipe.has_first_stage or pipe.has_last_stage:
             if data_iter is None:
@@ -197,6 +191,8 @@ class Engine(nn.Module):
         if self.pipeline is not None:
             raise ValueError("with pipeline_parallel.size > 1 train with engine.train_batch("
                              "data_iter); the model is split across ranks")
+        if self.batch.pending:  # "auto" micro batch: this batch's leading dimension
+            self.take_micro_batch(args, kwargs)
         if torch.is_grad_enabled():
             self._open_window(args, kwargs)
         self.comm_stats.phase = "forward"
@@ -211,8 +207,9 @@ class Engine(nn.Module):
         self._times["forward"] += time.perf_counter() - t0
         return out
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
+        ``retain_graph`` as in ``torch.Tensor.backward`` (a second backward on the graph)."""
         self.zero.require_states("backward")
         t0 = time.perf_counter()
         self.comm_stats.phase = "backward"
@@ -222,10 +219,11 @@ class Engine(nn.Module):
                 and not self.config.fp16.enabled):
             # nothing global to wait for: step per unit
             step_scale = self.zero.options.grad_predivide / self.dp_comm.size
-        self.zero.start_backward(self.is_gradient_accumulation_boundary(), step_scale)
+        self.zero.start_backward(self.reduces_in_backward(), step_scale)
         # in fp32: a 16-bit loss times a 2**16 loss scale would overflow before backward starts
         (loss.float() * (self.loss_scaler.scale / self.grad_accum)).backward(
-            self.guard.seed(loss))  # NaN for an inf/nan loss: its step is then skipped
+            self.guard.seed(loss),  # NaN for an inf/nan loss: its step is then skipped
+            retain_graph=retain_graph)
         if self.monitor is not None:
             self._step_loss += loss.detach().float().item() / self.grad_accum
         self.profiling.end_backward()
@@ -233,10 +231,12 @@ class Engine(nn.Module):
         self._times["backward"] += time.perf_counter() - t0
         return loss
 
-    def step(self) -> bool:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> bool:
         """Optimizer step at the accumulation boundary (a counted no-op otherwise); returns
-        whether it changed the weights (False: no boundary, or skipped: inf/nan gradients)."""
+        whether it changed the weights (False: no boundary, or skipped: inf/nan gradients).
+        ``lr_kwargs``: keyword arguments of the scheduler's ``step`` when it applies."""
         self.zero.require_states("step")
+        self.check_step_allowed()  # not inside no_sync()
         self.guard.step_applied = False
         self.zero.refuse_lost_step()  # offload I/O lost gradients: until a new backward
         if not self.is_gradient_accumulation_boundary():
@@ -260,30 +260,29 @@ class Engine(nn.Module):
                                                    step=self.global_steps)
             if not overflow:
                 state.sync_params(copy=False)
-            return self._finish_step(overflow, t0)
+            return self._finish_step(overflow, t0, lr_kwargs)
         sq_norm, overflow = self.guard.grad_stats(state, clip=clip,
                                                   replicated_weight=self.norm_weights)
         if not overflow:
             # gradients were divided by grad_predivide before the sum: the rest of 1 / dp here
             inv = self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
-            coef = 1.0
-            if clip > 0:
-                norm = math.sqrt(sq_norm) * inv
-                self.last_grad_norm = norm
-                coef = min(1.0, clip / (norm + 1e-6))
+            norm = math.sqrt(sq_norm) * inv
+            self.last_grad_norm = norm
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             self.zero.optimizer_step(inv * coef)
             state.sync_params()
-        return self._finish_step(overflow, t0)
+        return self._finish_step(overflow, t0, lr_kwargs)
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` changed the weights (DeepSpeed's name)."""
         return self.guard.step_applied
 
-    def _finish_step(self, overflow: bool, t0: float) -> bool:
+    def _finish_step(self, overflow: bool, t0: float,
+                     lr_kwargs: dict[str, Any] | None = None) -> bool:
         if overflow:
             self.guard.count_skip(self.counters, self.global_steps, self.loss_scaler.scale)
         if not overflow and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self.loss_scaler.update(overflow)
         self.zero.zero_grads()
         self.zero.after_step()
@@ -312,7 +311,7 @@ class Engine(nn.Module):
 
     def _write_reports(self) -> None:
         """The monitors' events and the comms_logger lines of this step (rank 0)."""
-        samples = self.global_steps * self.global_batch
+        samples = self.global_steps * self.batch.global_batch
         events = []
         if self.config.comms_logger.enabled:
             rows = comm_rows(self.comm_stats.by_group(), self.config.comms_logger)
@@ -491,9 +490,11 @@ def initialize(
     loss_fn: Callable | None = None,
     example_inputs: Any = None,
     pipeline_layout: Any = None,
+    collate_fn: Callable | None = None,
     engine_class: type[Engine] | None = None,
-) -> tuple[Engine, torch.optim.Optimizer | None, None, Any]:
-    """Like ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
+) -> tuple[Engine, torch.optim.Optimizer | None, Any, Any]:
+    """Like ``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``; the loader is None without ``training_data``.
 
     The config is a ds_config dict, a path to a JSON file, or a :class:`Config`; every key is
     validated before any work starts. Initialises the process group from torchrun's
@@ -506,13 +507,15 @@ def initialize(
     ``pipeline_layout`` (a :class:`meshzero.parallel.pipeline.PipelineLayout`, for models
     whose first stage is more than running modules in order) are required/used.
 
-    ``engine_class``: the :class:`Engine` subclass to build (default :class:`Engine`).
+    ``training_data`` (a map-style torch Dataset, or a DataLoader: its dataset, collate_fn,
+    shuffling and batch_size) gives back a loader of this rank's micro-batches: a
+    DistributedSampler over the data-parallel ranks (``engine.data_loader``); with pipeline
+    parallelism ``train_batch()`` without ``data_iter`` reads it, restarting at its end.
+    ``collate_fn`` is the loader's. ``engine_class``: the :class:`Engine` subclass to build
+    (default :class:`Engine`).
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if training_data is not None:
-        raise ValueError("training_data is not supported: build a DataLoader with a "
-                         "DistributedSampler over the data-parallel ranks yourself")
     if config is not None and config_params is not None:
         raise ValueError("pass config or config_params, not both")
     config = config if config is not None else config_params
@@ -521,11 +524,14 @@ def initialize(
     if config is None:
         raise ValueError("initialize() needs config= (a ds_config dict or JSON path)")
     cfg = load_config(config, model=model, tp_plan=lambda: _shipped_plan(model))
-    engine_class = engine_class or Engine
-    engine = engine_class(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
-                    pipeline_layout=pipeline_layout)
-    return engine, engine.optimizer, None, engine.lr_scheduler
+    cfg = micro_batch_from_data(cfg, training_data)  # "auto": a DataLoader's batch_size
+    engine = (engine_class or Engine)(
+        model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
+        pipeline_layout=pipeline_layout)
+    if training_data is not None:
+        engine.training_dataloader = engine.data_loader(training_data, collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _shipped_plan(model: Any) -> str | None:

@@ -55,6 +55,9 @@ class Resolution:
 
 LEAVE_OUT = object()  # the key is removed: derived from the others, or the schema's default
 NO_VALUE = object()  # nothing to put there without a run: left to be refused
+# the micro batch: removed now, taken at initialize from training_data's batch size or from
+# the first batch the engine sees (Config.micro_batch_pending; data/batch.py)
+FROM_DATA = object()
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def _hidden(scale: Callable[[int], int]) -> Callable[[Resolution], Any]:
 
 
 def _micro(r: Resolution) -> Any:
-    return LEAVE_OUT if r.number("train_batch_size") is not None else 1
+    return LEAVE_OUT if r.number("train_batch_size") is not None else FROM_DATA
 
 
 def _accumulation(r: Resolution) -> Any:
@@ -93,8 +96,11 @@ AUTO_RULES: tuple[AutoRule, ...] = (
              lambda r: LEAVE_OUT),
     AutoRule("train_micro_batch_size_per_gpu",
              "per_device_train_batch_size (Accelerate: the DataLoader's batch size)",
-             "derived from train_batch_size when that is a number, else 1 (Accelerate's "
-             "fallback)", _micro),
+             "derived from train_batch_size when that is a number, else training_data's "
+             "batch size (a DataLoader) or the leading dimension of the first batch "
+             "engine(...) sees; with neither (or pipeline parallelism without a DataLoader) "
+             "refused, as Accelerate refuses",
+             _micro),
     AutoRule("gradient_accumulation_steps",
              "gradient_accumulation_steps (Accelerate: its plugin's, default 1)",
              "derived when the other two batch keys are numbers, else 1", _accumulation),
@@ -185,7 +191,11 @@ def resolve_auto(raw: dict[str, Any], model: ModelFacts) -> list[str]:
         value = rule.resolve(Resolution(raw, model))
         if value is NO_VALUE:
             continue
-        if value is LEAVE_OUT:
+        if value is FROM_DATA:
+            del parent[last]
+            notes.append(f'"auto" {rule.key}: no train_batch_size to derive it from; taken '
+                         "from training_data's batch size or the first batch engine(...) sees")
+        elif value is LEAVE_OUT:
             del parent[last]
             why = rule.rule if rule.key not in MODEL_KEYS else (
                 "meshzero's default until a model with a hidden size is given to initialize")

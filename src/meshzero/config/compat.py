@@ -94,7 +94,6 @@ HINTS: dict[str, str] = {
                                                   "memory",
     "aio": "meshzero's NVMe tier uses os.pread/pwrite threads",
     "memory_breakdown": "engine.memory_report() gives the bytes by tier",
-    "dataloader_drop_last": "meshzero builds no data loader",
     "activation_checkpointing": "it configures deepspeed.checkpointing calls; use "
                                 "torch.utils.checkpoint (same results, less memory)",
     "checkpoint": "DeepSpeed's checkpoint-engine options",

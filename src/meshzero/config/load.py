@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from meshzero.config.auto import model_facts
+from meshzero.config.auto import is_auto, model_facts
 from meshzero.config.compat import drop_auto, normalize
 from meshzero.config.errors import ConfigError, auto_message, describe, read_json, report
 from meshzero.config.ignored import drop_ignored
@@ -48,8 +48,12 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     ignored, misspelt = drop_ignored(norm.raw)
     problems = norm.problems + misspelt + [auto_message(key) for key in norm.auto]
     drop_auto(norm.raw, norm.auto)  # the schema then reports only the other problems
+    micro = "train_micro_batch_size_per_gpu"  # "auto" with nothing to derive it from yet
+    micro_pending = is_auto(raw.get(micro)) and micro not in norm.raw and \
+        "train_batch_size" not in norm.raw
     try:
-        validated = Config.model_validate(norm.raw)
+        validated = Config.model_validate(norm.raw,
+                                          context={"micro_batch_pending": micro_pending})
     except ValidationError as exc:
         problems += [line for e in exc.errors()
                      if not _about_auto(line := describe(e, norm.raw, Config), norm.auto)]
@@ -59,6 +63,7 @@ def load_config(config: Config | dict[str, Any] | str | os.PathLike[str], *,
     validated._deprecations = tuple(norm.deprecations)
     validated._auto_resolved = tuple(norm.resolved)
     validated._warnings = tuple(norm.warnings + ignored)
+    validated._micro_batch_pending = micro_pending
     if norm.needs_model and model is None:
         validated._needs_model = (copy.deepcopy(raw), validated.model_dump())
     return validated

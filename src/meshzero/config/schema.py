@@ -2,10 +2,11 @@
 together. Each default lives on its field and each rule in one place: the estimator reads a
 `Config` rather than restating them."""
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
 
 from meshzero.config.batch import (
     batch_problems,
@@ -13,6 +14,7 @@ from meshzero.config.batch import (
     data_parallel_size,
     resolve_batch,
 )
+from meshzero.config.errors import ConfigError
 from meshzero.config.faults import FaultsConfig
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.monitor import (
@@ -68,6 +70,7 @@ class Config(BaseModel):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     sequence_parallel_size: PosInt = 1  # Ulysses (config/sequence.py)
     seq_parallel_communication_data_type: SeqCommDtype | None = None
+    dataloader_drop_last: Bool = False  # the loader initialize builds from training_data
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())
@@ -79,11 +82,16 @@ class Config(BaseModel):
     _auto_resolved: tuple[str, ...] = PrivateAttr(default=())
     _warnings: tuple[str, ...] = PrivateAttr(default=())
     _needs_model: tuple[dict[str, Any], dict[str, Any]] | None = PrivateAttr(default=None)
+    # "auto" micro batch with no train_batch_size: known from the training data or the
+    # first batch (data/batch.py)
+    _micro_batch_pending: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Config":
-        problems = batch_problems(self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                                  self.gradient_accumulation_steps)
+    def _consistent(self, info: ValidationInfo) -> "Config":
+        pending = bool(info.context and info.context.get("micro_batch_pending"))
+        problems = [] if pending else batch_problems(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps)
         if self.fp16.enabled and self.bf16.enabled:
             problems.append("fp16.enabled and bf16.enabled are both true; enable at most one")
         problems += _autocast_problems(self) + _bf16_master_problems(self)
@@ -108,11 +116,72 @@ class Config(BaseModel):
         """(train_batch_size, micro batch per rank, gradient accumulation steps) for `dp_size`
         ranks, under train_batch_size == micro * accumulation * dp_size; with pipelining the
         accumulation steps must equal pipeline_parallel.micro_batches."""
+        if self._micro_batch_pending:
+            raise ConfigError(pending_micro_batch_message(self.pipeline_parallel.size > 1))
         batch = resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                               self.gradient_accumulation_steps, dp_size)
         if self.pipeline_parallel.size > 1:
             check_pipeline_batches(self.pipeline_parallel.micro_batches, *batch, dp_size)
         return batch
+
+    @property
+    def micro_batch_pending(self) -> bool:
+        """train_micro_batch_size_per_gpu is "auto" and nothing in the config gives it: the
+        engine takes it from training_data's batch size or the first batch it sees."""
+        return self._micro_batch_pending
+
+    def batch_sizes(self, dp_size: int) -> tuple[int | None, int | None, int]:
+        """`resolve_batch`, or ``(None, None, accumulation)`` while the micro batch is
+        pending (refused with pipeline parallelism: its schedule needs it at initialize)."""
+        if self._micro_batch_pending and self.pipeline_parallel.size == 1:
+            return None, None, self.gradient_accumulation_steps or 1
+        return self.resolve_batch(dp_size)
+
+    def with_batch(self, train_batch_size: int, micro: int, accumulation: int) -> "Config":
+        """A copy holding the resolved batch numbers (no longer pending)."""
+        new = self.model_copy(update={"train_batch_size": train_batch_size,
+                                      "train_micro_batch_size_per_gpu": micro,
+                                      "gradient_accumulation_steps": accumulation})
+        new._micro_batch_pending = False
+        return new
+
+    def with_micro_batch(self, micro: int) -> "Config":
+        """A copy whose pending micro batch is ``micro`` (the batch rule then applies)."""
+        new = self.model_copy(update={"train_micro_batch_size_per_gpu": micro})
+        new._micro_batch_pending = False
+        return new
+
+    # -- DeepSpeed's dict: engine.config["zero_optimization"]["stage"] ----------------------------
+    def as_dict(self) -> dict[str, Any]:
+        """The resolved config as DeepSpeed's JSON dict ("auto" filled, defaults included,
+        unset keys left out); a fresh copy each call (the config stays read-only)."""
+        # not cached: a private cache would take part in pydantic's == of two configs
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's ``config.get(key, default)`` on the resolved dict."""
+        return self.as_dict().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.as_dict()
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        return list(self.as_dict())
+
+    def values(self) -> list[Any]:
+        return list(self.as_dict().values())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.as_dict().items())
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel ranks of `world_size`: world / (tp * pp * sp) (ZeRO shards over
@@ -180,6 +249,19 @@ class Config(BaseModel):
     def reduce_dtype(self) -> torch.dtype:
         """What gradients are reduced in: communication_data_type, else the gradient dtype."""
         return self.communication_dtype or self.grad_dtype
+
+
+def pending_micro_batch_message(pipeline: bool) -> str:
+    """Why the batch numbers are not known yet, and what gives them."""
+    if pipeline:
+        return ('train_micro_batch_size_per_gpu is "auto" and train_batch_size is not a '
+                "number: with pipeline_parallel.size > 1 the micro batch is needed at "
+                "initialize; give train_micro_batch_size_per_gpu (or train_batch_size), or "
+                "pass training_data as a torch DataLoader (its batch_size)")
+    return ('train_micro_batch_size_per_gpu is "auto" and train_batch_size is not a number: '
+            "the micro batch is taken from training_data (a DataLoader's batch_size) or from "
+            "the leading dimension of the first batch engine(...) sees; give a number in the "
+            "config to know it before")
 
 
 def _mesh_problems(config: Config) -> list[str]:

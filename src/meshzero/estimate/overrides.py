@@ -86,7 +86,9 @@ def with_batch(config: Config, dp_size: int, overrides: dict[str, Any]) -> Confi
     accumulation steps, no train_batch_size), flags applied, validated again. With a pipeline
     its micro-batches are the accumulation steps, so only the latter are kept."""
     given = {k: overrides[k] for k in BATCH_KEYS if overrides.get(k) is not None}
-    if given:  # the flags re-spell the batch: the config's pipeline micro-batches may change
+    if config.micro_batch_pending and "micro_batch" in given:  # "auto": the flag gives it
+        micro, gas = given["micro_batch"], config.gradient_accumulation_steps or 1
+    elif given:  # the flags re-spell the batch: the config's pipeline micro-batches may change
         _, micro, gas = resolve_batch(config.train_batch_size,
                                       config.train_micro_batch_size_per_gpu,
                                       config.gradient_accumulation_steps, dp_size)

@@ -74,12 +74,12 @@ class StepGuard:
 
     def grad_stats(self, state: ShardedOptimizerState, *, clip: float,
                    replicated_weight: dict[int, float] | None) -> tuple[float, bool]:
-        """(squared global gradient norm or 0, whether any gradient on any rank is
-        non-finite), with the step's one all-reduce."""
-        need_norm = clip > 0
-        rides = need_norm or self.fp16  # the step all-reduces stats anyway
+        """(squared global gradient norm, whether any gradient on any rank is non-finite),
+        with the step's one all-reduce (the norm rides on the check: engine.last_grad_norm
+        is set by every step, as DeepSpeed's get_global_grad_norm)."""
+        rides = clip > 0 or self.fp16  # the step all-reduces stats anyway
         return state.reduce_grad_stats(
-            need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
+            need_norm=True, need_overflow=True, model_parallel=self.model_parallel,
             replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP,
             exchange=self._exchange())
 

@@ -6,7 +6,7 @@ The events keep DeepSpeed's names and x axis (samples seen so far): Train/Sample
 (the mean loss of the step's micro-batches), Train/Samples/lr (first param group),
 Train/Samples/loss_scale, plus meshzero's own under the same prefix: skipped_steps (fp16
 overflows so far), step_time (the step clock's seconds of the step, timing.py), grad_norm
-(the global norm before clipping; only when gradient_clipping computes it),
+(the global norm before clipping; every applied step),
 memory_{device,host,nvme}_bytes
 (engine.memory_report() summed by tier), memory_gathered_peak_bytes, and
 comm_{intra,inter}_node_bytes (engine.comm_report() of the step). With comms_logger enabled,
@@ -152,7 +152,7 @@ class StepRecord:
     loss_scale: float
     skipped_steps: int
     step_time: float
-    grad_norm: float | None  # None when the step computed none (no clipping, or overflow)
+    grad_norm: float | None  # None when the step computed none (an overflow, unit steps)
     memory: dict  # engine.memory_report()
     comm: dict  # engine.comm_report()
 
