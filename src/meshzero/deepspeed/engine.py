@@ -11,6 +11,7 @@ attributes ``overflow``, ``cur_scale`` and ``loss_scale``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -195,6 +196,18 @@ class DeepSpeedEngine(Engine):
         if boundary:
             self.step_overflowed = self.skipped_steps > skipped
         return applied
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's `DeepSpeedEngine.no_sync`: `Engine.no_sync`, refused at stages 2-3 as
+        DeepSpeed's (gradient partitioning needs the reduction)."""
+        stage = self.zero_stage
+        if stage >= 2:
+            raise ValueError(f"no_sync context manager is incompatible with gradient "
+                             f"partitioning logic of ZeRO stage {stage}: use stage 0 or 1, "
+                             "or accumulate with gradient_accumulation_steps")
+        with super().no_sync():
+            yield
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's `DeepSpeedEngine.get_lr`: each param group's lr ([] without optimizer)."""
