@@ -8,7 +8,8 @@ from typing import Any
 
 
 def clone_tensors_for_torch_save(item: Any, device: Any = None) -> Any:
-    """DeepSpeed's `deepspeed.checkpoint.utils.clone_tensors_for_torch_save`:
+    """DeepSpeed's `deepspeed.checkpoint.utils.clone_tensors_for_torch_save`: the same function.
+
     ``meshzero.deepspeed.checkpoint_utils.clone_tensors_for_torch_save``."""
     from meshzero.deepspeed.checkpoint_utils import clone_tensors_for_torch_save as clone
 

@@ -35,9 +35,13 @@ class TiedLayerSpec(LayerSpec):
 
 
 class PipelineModule(nn.Sequential):
-    """DeepSpeed's `deepspeed.pipe.PipelineModule`: the layers as an ``nn.Sequential`` with
-    ``num_stages`` and ``loss_fn``; `meshzero.deepspeed.initialize` turns them into
-    ``pipeline_parallel.size`` and the pipeline's loss."""
+    """DeepSpeed's `deepspeed.pipe.PipelineModule`: an nn.Sequential; one stage trains as is.
+
+    The layers as an ``nn.Sequential`` with ``num_stages`` and ``loss_fn``. With one stage
+    `meshzero.deepspeed.initialize` trains it data-parallel; with more it refuses, naming
+    ``meshzero.initialize(model, config with pipeline_parallel, loss_fn=, example_inputs=)``:
+    meshzero's pipeline fixes the shapes sent between stages from one micro-batch of inputs,
+    which DeepSpeed's signature cannot carry."""
 
     def __init__(self, layers: Iterable[nn.Module | LayerSpec | Callable], num_stages:
                  int | None = None, topology: Any = None, loss_fn: Callable | None = None,
