@@ -12,7 +12,8 @@ from tests.deepspeed_corpus.calls import CALLS, REPOS, by_api
 from tests.deepspeed_corpus.runner import load_checks, run_all, score, table
 
 # The number of entries that work as called. Raise it as names land; never lower it.
-FLOOR = 4
+# 135 of 139 measured on the merged tree on 2026-12-06 (the 4 left need MoE or a pipeline)
+FLOOR = 135
 
 
 def test_corpus_is_well_formed() -> None:
