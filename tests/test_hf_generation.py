@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import meshzero
+from meshzero.estimate import Estimator, load_model, settings_from_config
+from meshzero.hf.frozen import frozen_config
 from tests.distributed import run_distributed
 from tests.engine_runs import zero_config
 from tests.test_hf_save import tiny_llama
@@ -103,7 +105,7 @@ def _frozen(rank: int, world_size: int) -> tuple:
             engines["ref_model"].optimizer, engines["ref_model"].zero_stage, report)
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_frozen_models_become_stage_3_engines_without_optimizer(tmp_path, world_size,
                                                                  caplog) -> None:
     caplog.set_level(logging.INFO)
@@ -122,3 +124,9 @@ def test_frozen_models_become_stage_3_engines_without_optimizer(tmp_path, world_
         held = sum(report["params"].values())
         assert 0 < held <= (numel // world_size + 4096) * 4  # a shard, not a replica
         assert sum(report["optimizer_states"].values()) == 0
+        # the estimator sizes the frozen engine as meshzero.estimate --trainable none does
+        estimator = Estimator(load_model(lambda: tiny_llama(seed=1)))
+        settings = settings_from_config(frozen_config(zero_config(2, global_batch=2 * world_size)),
+                                        world_size, trainable="none")
+        want = estimator.states(settings, world_size).report(rank)
+        assert want == {k: report[k] for k in want}, (rank, want, report)
