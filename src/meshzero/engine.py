@@ -266,9 +266,12 @@ class Engine(AccumulationWindow, nn.Module):
         if not overflow:
             # gradients were divided by grad_predivide before the sum: the rest of 1 / dp here
             inv = self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
-            norm = math.sqrt(sq_norm) * inv
+            norm = None if sq_norm is None else math.sqrt(sq_norm) * inv
             self.last_grad_norm = norm
-            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            coef = 1.0
+            if clip > 0:
+                assert norm is not None  # clipping always takes the norm
+                coef = min(1.0, clip / (norm + 1e-6))
             self.zero.optimizer_step(inv * coef)
             state.sync_params()
         return self._finish_step(overflow, t0, lr_kwargs)

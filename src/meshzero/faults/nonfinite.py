@@ -73,15 +73,18 @@ class StepGuard:
         return torch.where(finite, one, torch.full_like(one, math.nan))
 
     def grad_stats(self, state: ShardedOptimizerState, *, clip: float,
-                   replicated_weight: dict[int, float] | None) -> tuple[float, bool]:
+                   replicated_weight: dict[int, float] | None) -> tuple[float | None, bool]:
         """(squared global gradient norm, whether any gradient on any rank is non-finite),
         with the step's one all-reduce (the norm rides on the check: engine.last_grad_norm
-        is set by every step, as DeepSpeed's get_global_grad_norm)."""
+        is set by every step, as DeepSpeed's get_global_grad_norm). The norm is None when
+        nothing clips and taking it would read every gradient back from NVMe."""
         rides = clip > 0 or self.fp16  # the step all-reduces stats anyway
-        return state.reduce_grad_stats(
-            need_norm=True, need_overflow=True, model_parallel=self.model_parallel,
+        need_norm = clip > 0 or not state.tier.norm_reads_storage
+        sq, overflow = state.reduce_grad_stats(
+            need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
             replicated_weight=replicated_weight, op="all_reduce" if rides else CHECK_OP,
             exchange=self._exchange())
+        return (sq if need_norm else None), overflow
 
     def _exchange(self) -> Callable[[torch.Tensor, str], None] | None:
         """The sum over ``comm``'s ranks as a phase exchange, when there is a group: counted

@@ -20,7 +20,11 @@ import functools
 import os
 from typing import Any
 
-from transformers import Trainer
+try:
+    from transformers import Trainer
+except ImportError as e:  # an extra: say which, rather than a bare ModuleNotFoundError
+    raise ImportError("meshzero.hf.on_meshzero needs transformers: "
+                      "pip install 'meshzero[hf]'") from e
 
 from meshzero.hf.config import read_raw_config
 from meshzero.hf.trainer import MeshzeroTrainer
@@ -34,7 +38,11 @@ def check_trl(trainer_cls: type) -> None:
     (trl 1.12 and older look for PEFT on the engine, not the model: DPO loses its reference)."""
     if not trainer_cls.__module__.startswith("trl."):
         return
-    import trl
+    try:
+        import trl
+    except ImportError as e:  # a TRL class without trl importable: an extra, say which
+        raise ImportError("meshzero.hf.on_meshzero needs trl for a TRL trainer: "
+                          "pip install 'meshzero[trl]'") from e
 
     parts = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
     if parts < OLDEST_TRL:

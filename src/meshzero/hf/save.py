@@ -93,7 +93,10 @@ def adapter_names(module: Any, selected_adapters: list[str] | None = None,
                   save_embedding_layers: Any = "auto") -> list[str]:
     """The names in ``module.state_dict()`` that peft's ``get_peft_model_state_dict`` saves
     for each adapter: found by handing it a stand-in state dict and seeing which it picks."""
-    from peft.utils import get_peft_model_state_dict
+    try:
+        from peft.utils import get_peft_model_state_dict
+    except ImportError as e:  # a PEFT model's save without peft importable: an extra
+        raise ImportError("saving a PEFT adapter needs peft: pip install 'meshzero[trl]'") from e
 
     stand_in = {name: torch.empty(0) for name in module.state_dict(keep_vars=True)}
     by_id = {id(t): name for name, t in stand_in.items()}

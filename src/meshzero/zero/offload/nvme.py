@@ -61,6 +61,7 @@ def check_nvme_path(key: str, path: str | None, needed: int) -> None:
 
 class NvmeTier(Tier):
     name = "nvme"
+    norm_reads_storage = True  # the gradients are in the file (nvme_store.grad_stats)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -142,6 +142,9 @@ class Tier(ABC):
     """
 
     name: ClassVar[str]  # the memory_report tier of master, gradient shard and states
+    # whether an exact gradient norm costs a read of every gradient back from storage (NVMe):
+    # then the step takes it only when clipping needs it
+    norm_reads_storage: ClassVar[bool] = False
     # set by attach / attach_optimizer, once the groups and the optimizer exist
     optim_state: ShardedOptimizerState
     optimizer: torch.optim.Optimizer
