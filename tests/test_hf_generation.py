@@ -130,3 +130,52 @@ def test_frozen_models_become_stage_3_engines_without_optimizer(tmp_path, world_
                                         world_size, trainable="none")
         want = estimator.states(settings, world_size).report(rank)
         assert want == {k: report[k] for k in want}, (rank, want, report)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Prompts of 5 tokens as a causal LM's eval rows (labels: the prompt)."""
+
+    def __init__(self, n: int):
+        self.ids = torch.randint(4, 60, (n, 5), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _predict_with_generate(rank: int, world_size: int, out_dir: str) -> tuple:
+    from meshzero.hf import on_meshzero
+
+    cls = on_meshzero(transformers.Seq2SeqTrainer)
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        max_steps=1, predict_with_generate=True, generation_max_length=5 + NEW_TOKENS,
+        report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2)
+    config = zero_config(3, global_batch=2 * world_size)
+    del config["optimizer"]  # the Trainer's AdamW from its arguments
+    trainer = cls(model=tiny_llama(), args=args, train_dataset=_Rows(4 * world_size),
+                  meshzero_config=config)
+    trainer.train()  # the engine exists, its weights moved off the initial ones
+    model = trainer.model
+    model.generation_config.update(pad_token_id=0, eos_token_id=None, do_sample=False)
+    model.config.pad_token_id = 0  # Seq2SeqTrainer pads the predictions with it
+    predictions = trainer.predict(_Rows(2 * world_size)).predictions
+    return predictions, trainer.model_wrapped.full_state_dict()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_predict_with_generate_at_stage_3(tmp_path, world_size) -> None:
+    """``Seq2SeqTrainer.predict`` with ``predict_with_generate`` (transformers'
+    ``Seq2SeqTrainer.prediction_step`` calls ``self.model.generate``) on a trained stage-3
+    engine: the tokens the plain model with the trained weights generates."""
+    results = run_distributed(_predict_with_generate, world_size, tmp_path, str(tmp_path),
+                              timeout=240)
+    predictions, weights = results[0]
+    plain = tiny_llama()
+    plain.load_state_dict(weights)
+    want = plain.generate(_Rows(2 * world_size).ids, max_new_tokens=NEW_TOKENS,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+    got = torch.as_tensor(predictions)
+    assert torch.equal(got[:, :want.shape[1]], want), (got, want)
