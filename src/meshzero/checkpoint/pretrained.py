@@ -34,7 +34,7 @@ from meshzero.checkpoint.model_files import (
 )
 from meshzero.checkpoint.state import model_names
 from meshzero.checkpoint.training import TrainingState
-from meshzero.checkpoint.weights import _layouts
+from meshzero.checkpoint.weights import shard_layouts
 from meshzero.hf.files import hf_model_files, render_hf_model_files
 from meshzero.parallel.tensor_state import gather_tp_tensor
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 def _plan(state: TrainingState, drop: frozenset[str]) -> tuple[list[TensorSpec], list]:
     """The tensors to write, in order, and for each group its slots' output names."""
     names = model_names(state)
-    layouts = _layouts(state)
+    layouts = shard_layouts(state)
     dtype = state.compute_dtype
     specs: list[TensorSpec] = []
     plan = []
@@ -72,7 +72,7 @@ def save_pretrained_weights(state: TrainingState, save_dir: str | os.PathLike, *
     if t.pp_size > 1:
         raise ValueError("save_pretrained_weights: pipeline_parallel.size > 1 splits the model "
                          "across ranks; use engine.save_16bit_model (one file per stage)")
-    layouts = _layouts(state)
+    layouts = shard_layouts(state)
     specs, plan = _plan(state, drop)
     names = model_names(state)
     dtype = state.compute_dtype

@@ -61,7 +61,7 @@ def full_model_tensors(state: TrainingState, skip: frozenset[str] = frozenset()
     names = model_names(state)
     dtype = state.compute_dtype
     t = state.topology
-    layouts = _layouts(state)
+    layouts = shard_layouts(state)
     specs = []
     for group in state.zero.groups:
         for slot in group.layout.slots:
@@ -166,7 +166,7 @@ def _commit_16bit(state: TrainingState, save_dir: Path, save_filename: str, writ
     commit_files(save_dir, written, stale)
 
 
-def _layouts(state: TrainingState) -> dict[str, ShardLayout]:
+def shard_layouts(state: TrainingState) -> dict[str, ShardLayout]:
     if state.topology.tp_size == 1:
         return {}
     return {name: ShardLayout(**fields)
@@ -195,7 +195,7 @@ def load_weights(state: TrainingState, path: str | os.PathLike) -> None:
     and under pipeline parallelism each rank takes its stages' names."""
     names = model_names(state)
     t = state.topology
-    layouts = _layouts(state)
+    layouts = shard_layouts(state)
 
     def validate() -> tuple[WeightsReader, dict[str, str]]:
         reader = WeightsReader(path)
