@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshzero import checkpoint
 from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
+from meshzero.checkpoint.methods import CheckpointMethods
 from meshzero.comm import CommStats
 from meshzero.config import Config, load_config
 from meshzero.config.load import log_accepted
@@ -57,7 +57,7 @@ def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
                        "collective was never matched); they were not waited on", left)
 
 
-class Engine(AccumulationWindow, nn.Module):
+class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
     """Wraps the user's module; ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(
@@ -412,72 +412,6 @@ class Engine(AccumulationWindow, nn.Module):
             lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
             topology=self.topology, counters=self.counters, stats=self.comm_stats,
             pipeline=self.pipeline, writes_state=replica is None or replica.rank == 0)
-
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: Any = None, *, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
-        """Sharded checkpoint ``save_dir/tag`` (default ``global_step{N}``); collective.
-        ``client_state`` (rank 0's) may hold tensors, numpy arrays, argparse Namespaces and
-        plain values, saved without pickle (docs/checkpoints.md). ``save_latest=False``
-        leaves ``latest`` as it is; ``exclude_frozen_parameters`` leaves the frozen
-        parameters out (a load keeps the model's own). Returns the tag's directory."""
-        with self.zero.phases.entry("save_checkpoint"), self.zero.materialized():
-            return checkpoint.save_checkpoint(
-                self.training_state(), save_dir, tag, client_state, save_latest=save_latest,
-                exclude_frozen_parameters=exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
-                        load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, *,
-                        load_module_strict: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, Any]:
-        """Load a tag (default: ``latest``) saved at any data-parallel size and stage, with
-        the same tensor and pipeline parallel sizes; collective. ``load_module_strict=False``
-        allows missing (kept as they are) and unexpected (ignored) names;
-        ``load_module_only`` loads the weights and buffers only (no optimizer, scheduler,
-        counters or RNG). Returns ``(path, client_state)``, or ``(None, None)`` if there is
-        no ``latest``."""
-        with self.zero.phases.entry("load_checkpoint"), self.zero.materialized(True):
-            return checkpoint.load_checkpoint(
-                self.training_state(), load_dir, tag, load_optimizer_states,
-                load_lr_scheduler_states, strict=load_module_strict,
-                module_only=load_module_only)
-
-    def save_16bit_model(self, save_dir: str | os.PathLike,
-                         save_filename: str = "model.safetensors", *,
-                         exclude_frozen_parameters: bool = False) -> str | None:
-        """The full model in the compute dtype as safetensors; collective (one file per
-        pipeline stage, with an index, when pp > 1); ``exclude_frozen_parameters`` leaves
-        the frozen parameters out. At stage 3 with
-        ``stage3_gather_16bit_weights_on_model_save`` false it saves nothing and returns None,
-        as DeepSpeed does."""
-        if self.zero_stage == 3 and \
-                self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save is False:
-            logger.warning("save_16bit_model saved nothing: zero_optimization."
-                           "stage3_gather_16bit_weights_on_model_save is false; save a "
-                           "checkpoint, or set it true")
-            return None
-        state = self.training_state()
-        skip = checkpoint.frozen_names(state) if exclude_frozen_parameters else frozenset()
-        with self.zero.phases.entry("save_16bit_model"), self.zero.materialized():
-            return checkpoint.save_16bit_model(state, save_dir, save_filename, skip=skip)
-
-    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                      ) -> dict[str, torch.Tensor]:
-        """``{name: full CPU tensor in the compute dtype}`` of ``model.state_dict()`` on
-        rank 0 (tied names share one tensor), ``{}`` on the other ranks; a collective at
-        every stage; ``exclude_frozen_parameters`` leaves the frozen parameters out."""
-        state = self.training_state()
-        skip = checkpoint.frozen_names(state) if exclude_frozen_parameters else frozenset()
-        # the phase check names it as the 16-bit model save it shares its gathers with
-        with self.zero.phases.entry("save_16bit_model"), self.zero.materialized():
-            return checkpoint.consolidated_state_dict(state, skip)
-
-    def load_weights(self, path: str | os.PathLike) -> None:
-        """Load safetensors weights (file, index or directory), each rank reading only its
-        fragments; collective. Pickle files are refused."""
-        with self.zero.phases.entry("load_weights"), self.zero.materialized(True):
-            checkpoint.load_weights(self.training_state(), path)
 
 
 def initialize(

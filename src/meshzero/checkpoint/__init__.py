@@ -13,6 +13,7 @@ counters), never the engine.
     export.py       a tag's whole tensors in one process (TagTensors), consolidate
     weights.py      save_16bit_model, consolidated_state_dict, load_weights
     training.py     TrainingState and StepCounters: the seam
+    methods.py      the engine's checkpoint methods (a mixin of Engine)
 """
 
 from meshzero.checkpoint.export import TagTensors, consolidate
