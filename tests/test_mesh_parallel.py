@@ -14,7 +14,7 @@ from torch import nn
 import meshzero
 from meshzero.demo.gpt import loss_fn as gpt_loss
 from meshzero.demo.layout import GPT_LAYOUT
-from meshzero.parallel.pipeline import gather_pipeline_state_dict
+from meshzero.parallel.pipeline_state import gather_pipeline_state_dict
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS, zero_config
 from tests.models import make_batches, mlp_loss, reference_train, split_for_rank

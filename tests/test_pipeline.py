@@ -17,10 +17,10 @@ from meshzero.demo.layout import GPT_LAYOUT
 from meshzero.parallel.pipeline import (
     PipelineLayout,
     build_pipeline,
-    gather_pipeline_state_dict,
     schedule_class,
     split_stages,
 )
+from meshzero.parallel.pipeline_state import gather_pipeline_state_dict
 from tests.models import Block, make_batches, mlp_loss, reference_train
 
 STEPS = 3

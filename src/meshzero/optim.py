@@ -141,7 +141,7 @@ def _as_deepspeed_adam(opt: torch.optim.Optimizer, key: str,
         raise ValueError(f"{key} needs an Adam or AdamW optimizer (no amsgrad): meshzero keeps "
                          f"those in bf16 with its own Adam; got {type(opt).__name__}")
     decoupled = isinstance(opt, torch.optim.AdamW)
-    # a subclass may carry DeepSpeed's switches in its groups (meshzero.deepspeed's FusedAdam)
+    # a subclass may carry DeepSpeed's switches in its groups (a DeepSpeed-style FusedAdam)
     groups = [{"params": g["params"], "lr": float(g["lr"]), "betas": tuple(g["betas"]),
                "eps": g["eps"], "weight_decay": g["weight_decay"],
                "adam_w_mode": decoupled or bool(g.get("decoupled_weight_decay")),

@@ -216,8 +216,9 @@ class CommStats:
 
     def count_user(self, group: str, op: str, nbytes: int, seconds: float = 0.0, *,
                    count: int = 1) -> None:
-        """Count a collective the user issued outside the engine (meshzero.deepspeed.comm,
-        comm/user.py) under phase ``user``: ``nbytes`` this rank sent, ``seconds`` it blocked."""
+        """Count a collective the user issued outside the engine (DeepSpeed's comm names,
+        comm/user.py) under phase ``user``: ``nbytes`` this rank sent, ``seconds`` it
+        blocked."""
         for stats in (self.get(group, op, phase="user"),
                       self.user_carry.setdefault((self.step, group, op), OpStats())):
             stats.count += count

@@ -1,7 +1,7 @@
 """Collectives the user issues outside the engine, counted in every live engine's report.
 
 Training code calls collectives of its own (a loss averaged for logging, a metric gathered,
-a tensor broadcast), through ``meshzero.deepspeed.comm`` or directly. ``count_user_collective``
+a tensor broadcast), through DeepSpeed's ``comm`` names or directly. ``count_user_collective``
 counts one into each live engine's :class:`CommStats` (a weak registry: an engine that is
 gone counts nothing), under phase ``user`` and meshzero's op names, with the bytes this rank
 sends under the ring algorithms (``ring_bytes``). One issued inside a step shows in that

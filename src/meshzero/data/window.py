@@ -90,7 +90,7 @@ class AccumulationWindow:
         reduces everything; at stages 2-3 each backward still reduce-scatters into the shards
         (the same gradients, no saving; one WARNING). Not re-entrant. ``step()`` inside
         only counts a micro-step off the boundary; on it, it is refused. (DeepSpeed's
-        refuses stages 2-3: meshzero.deepspeed keeps that, while Accelerate's
+        refuses stages 2-3, and its compatibility engine keeps that, while Accelerate's
         ``no_sync(model)`` calls this at any stage.)"""
         stage = self.config.zero_optimization.stage
         if stage >= 2:

@@ -46,8 +46,8 @@ on every rank with ``broadcast_loss=True``.
 The caller (the engine) owns everything around a step: zeroing grads, averaging them over
 data-parallel replicas, clipping (count a tied tensor once: ``owns_parameter``), the
 optimizer step, and ``loss_scale`` for fp16 loss scaling or gradient accumulation over
-several ``step`` calls. ``gather_pipeline_state_dict`` reassembles full tensors under the
-original names (for tests and small models).
+several ``step`` calls. ``pipeline_state.gather_pipeline_state_dict`` reassembles full
+tensors under the original names (for tests and small models).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from meshzero.comm import OnComm, all_gather_objects, broadcast, exchange, gather_objects
+from meshzero.comm import OnComm, broadcast, exchange
 from meshzero.parallel.pipeline_split import (
     PipelineLayout,
     StageModule,
@@ -86,7 +86,6 @@ __all__ = [
     "PipelineLayout",
     "TiedParameter",
     "build_pipeline",
-    "gather_pipeline_state_dict",
     "schedule_class",
     "split_stages",
 ]
@@ -220,19 +219,30 @@ class Pipeline:
         and tied gradients are summed across their holders. Returns the mean loss on the
         last stage's rank (every rank with ``broadcast_loss``), else None.
         """
+        args, target = self._local_batch(inputs, targets, "step")
+        self.schedule.step(*args, target=target, return_outputs=False)
+        self.sync_tied_grads()
+        loss = self._mean_loss()
+        return self.broadcast_loss(loss) if broadcast_loss else loss
+
+    def _local_batch(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+                     targets: torch.Tensor | None, call: str) -> tuple[tuple, torch.Tensor | None]:
+        """This rank's part of a schedule call: the first stage's inputs, the last stage's
+        targets (checked to split into micro-batches); the losses of the last call cleared."""
         args = self._check_inputs(inputs) if self.has_first_stage else ()
         target = None
         if self.has_last_stage:
             if targets is None:
-                raise ValueError("Pipeline.step needs targets on the rank of the last stage")
+                raise ValueError(f"Pipeline.{call} needs targets on the rank of the last stage")
             target = self._check_batch(targets, "targets")
         self._losses.clear()
-        self.schedule.step(*args, target=target, return_outputs=False)
-        self.sync_tied_grads()
-        loss = None
-        if self.has_last_stage:
-            loss = torch.stack(self._losses[-self.micro_batches:]).float().mean()
-        return self.broadcast_loss(loss) if broadcast_loss else loss
+        return args, target
+
+    def _mean_loss(self) -> torch.Tensor | None:
+        """The mean loss of the last call's micro-batches on the last stage's rank, else None."""
+        if not self.has_last_stage:
+            return None
+        return torch.stack(self._losses[-self.micro_batches:]).float().mean()
 
     def evaluate(
         self,
@@ -246,19 +256,10 @@ class Pipeline:
         if not hasattr(self.schedule, "eval"):
             raise NotImplementedError("evaluating a pipeline needs torch's schedule.eval "
                                       f"(a newer torch than {torch.__version__})")
-        args = self._check_inputs(inputs) if self.has_first_stage else ()
-        target = None
-        if self.has_last_stage:
-            if targets is None:
-                raise ValueError("Pipeline.evaluate needs targets on the rank of the last stage")
-            target = self._check_batch(targets, "targets")
-        self._losses.clear()
+        args, target = self._local_batch(inputs, targets, "evaluate")
         with torch.no_grad():
             outputs = self.schedule.eval(*args, target=target)
-        loss = None
-        if self.has_last_stage:
-            loss = torch.stack(self._losses[-self.micro_batches:]).float().mean()
-        return self.broadcast_loss(loss), outputs if self.has_last_stage else None
+        return self.broadcast_loss(self._mean_loss()), outputs if self.has_last_stage else None
 
     def _check_batch(self, batch: torch.Tensor, what: str) -> torch.Tensor:
         if batch.dim() == 0 or batch.shape[0] % self.micro_batches:
@@ -497,29 +498,3 @@ def _default_device(pp_group: dist.ProcessGroup) -> torch.device:
     if "nccl" in str(dist.get_backend(pp_group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def gather_pipeline_state_dict(
-    pipeline: Pipeline, *, dst: int | None = None
-) -> dict[str, torch.Tensor] | None:
-    """The full model's state dict (CPU tensors, the original model's keys and order) from
-    every stage: on every pp rank, or only on pp rank ``dst`` (None elsewhere). A collective
-    over the pp group that moves the whole model through one rank: for tests and small
-    models, not for checkpoints of large ones."""
-    local = {k: v.detach().to("cpu", copy=True) for k, v in pipeline.module.state_dict().items()}
-    if dst is None:
-        parts = all_gather_objects(local, pipeline.pp_group)
-    else:
-        gathered = gather_objects(local, dist.get_global_rank(pipeline.pp_group, dst),
-                                  pipeline.pp_group)
-        if gathered is None:
-            return None
-        parts = gathered
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        assert part is not None
-        for key, value in part.items():
-            merged.setdefault(key, value)  # a tied tensor: equal on every holder
-    missing = [k for k in pipeline.state_dict_keys if k not in merged]
-    assert not missing, f"no stage holds {missing}"
-    return {k: merged[k] for k in pipeline.state_dict_keys}
