@@ -191,20 +191,19 @@ class PhaseCheck:
         return [row[2:] for row in rows]
 
     def close(self) -> None:
-        """Destroy the control group (the engine's end); a phase posted ahead is dropped
-        (the engine's end waits for or releases the ops in flight first)."""
+        """Let go of the control group (the engine's end); a phase posted ahead is dropped
+        (the engine's end waits for or releases the ops in flight first). The group is not
+        destroyed here: a gloo group shut down on one rank while the ranks build the next
+        engine's groups made that build fail in connectFullMesh ("Connection closed by
+        peer", CI 2026-12-06); like the mesh's groups it goes with the user's
+        destroy_process_group() (docs/lifecycle.md)."""
         self._ahead = None
         if self.stats.gate == self.settle:
             self.stats.gate = None
         if self.watch is not None:
             self.watch.close()
             self.stats.watch = self.watch = None
-        if self.comm is not None and self.comm.group is not None:
-            # the user's destroy_process_group() (no argument) before the engine's end has
-            # destroyed this group with every other: nothing left to destroy
-            if dist.is_initialized():
-                dist.destroy_process_group(self.comm.group)
-            self.comm = None
+        self.comm = None
 
     def _mismatch(self, rows: dict[int, list[int]]) -> str:
         """The same sentence on every rank given the same rows (``rows``: global rank -> its
