@@ -52,6 +52,7 @@ from meshzero.schedulers import build_scheduler, check_scheduler_object, is_sche
 from meshzero.topology import Topology, build_topology, init_distributed
 from meshzero.zero.materialize import prepare_model
 from meshzero.zero.offload import OffloadOptions
+from meshzero.zero.quantized_grads import HierarchicalReduceScatter
 from meshzero.zero.state import ZeroModelState, ZeroOptions
 from meshzero.zero.trainability import listed_parameters, param_group_of
 from meshzero.zero.units import check_no_lazy_parameters
@@ -68,6 +69,7 @@ class Comms:
     shard: Communicator  # the ranks ZeRO shards over: dp, or a MiCS block of it
     replica: Communicator | None  # MiCS: the same shard across blocks, else None
     hpz: Communicator | None  # ZeRO++ hpZ: a block holding a secondary param shard
+    qgz: HierarchicalReduceScatter | None = None  # ZeRO++ qgZ: node hop, then across nodes
 
 
 @dataclass
@@ -166,7 +168,11 @@ def _communicators(topology: Topology, config: Config) -> Comms:
     hpz = None
     if zc.zero_hpz_partition_size > 1:
         hpz = make(topology.dp_subgroups(zc.zero_hpz_partition_size)[0], "dp_hpz")
-    return Comms(stats=stats, dp=dp, shard=shard, replica=replica, hpz=hpz)
+    qgz = None
+    if zc.zero_quantized_gradients:  # the node's ranks, and this place in every node
+        node, cross = topology.dp_subgroups(min(topology.ranks_per_node, dp.size))
+        qgz = HierarchicalReduceScatter(make(node, "dp_node"), make(cross, "dp_cross"))
+    return Comms(stats=stats, dp=dp, shard=shard, replica=replica, hpz=hpz, qgz=qgz)
 
 
 def _sequence(model: nn.Module, config: Config, topology: Topology,
@@ -278,10 +284,12 @@ def _zero_state(model: nn.Module, config: Config, topology: Topology, comms: Com
         grad_predivide=config.grad_predivide(comms.dp.size),
         group_timeout=topology.timeout,
         forward_only=forward_only,
+        quantize_weights=("all" if zc.zero_quantized_weights else
+                          "frozen" if zc.zero_quantized_nontrainable_weights else "none"),
     )
     return ZeroModelState(model, comms.shard, topology.device, options,
                           materialize=materializer, secondary_comm=comms.hpz,
-                          replica_comm=comms.replica)
+                          replica_comm=comms.replica, grad_reduce=comms.qgz)
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from meshzero.comm.bare import all_gather_single, reduce_scatter_single, start_exchange
 from meshzero.comm.handle import Handle, WorkList
+from meshzero.comm.quantize import dequantize_rows, quantize
 from meshzero.comm.stats import CommStats, failure_named, ring_bytes, tensor_bytes
 
 
@@ -54,6 +55,8 @@ class Communicator:
         issued = time.perf_counter()
         if self.size == 1:  # a one-rank group: the local copy is the whole collective
             fn(None)
+            if then is not None:
+                then()
             return Handle(None, stats, issued, None, *buffers)
         describe = (op, self.name, self.stats.where())
         with failure_named(*describe):  # gloo may fail at issue too
@@ -101,6 +104,48 @@ class Communicator:
             return all_gather_single(output, shard, group=group, async_op=True)
 
         return self._launch(op, nbytes, run, output, shard)
+
+    def all_gather_quantized(self, output: torch.Tensor, shard: torch.Tensor, *, block: int,
+                             bits: int = 8) -> Handle:
+        """ZeRO++ qwZ: ``output`` (N*S,) <- every rank's ``shard`` (S,), block-quantized
+        (comm/quantize.py) on the way: one uint8 all-gather of the packed rows (scales and
+        codes), dequantized into ``output`` at the wait. Counted as ``quantized_all_gather``
+        with the packed bytes, ``L (N-1)`` for a row of L bytes. One rank (N = 1) still
+        quantizes: what a rank computes with does not depend on the world size's being 1."""
+        packed = quantize(shard, block, bits)
+        rows = torch.empty(self.size * packed.numel(), dtype=torch.uint8, device=packed.device)
+        numel = shard.numel()
+
+        def run(group):
+            if group is None:
+                rows.copy_(packed)
+                return None
+            if self.gloo and self.point_to_point and rows.device.type == "cpu":
+                return self._gather_point_to_point(rows, packed, group)
+            return all_gather_single(rows, packed, group=group, async_op=True)
+
+        def unpack() -> None:
+            dequantize_rows(rows.view(self.size, -1), numel, block, bits,
+                            output.view(self.size, numel))
+
+        nbytes = ring_bytes("all_gather", tensor_bytes(rows), self.size)
+        return self._launch("quantized_all_gather", nbytes, run, output, packed, rows,
+                            then=unpack)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "all_to_all",
+                   then: Callable[[], object] | None = None) -> Handle:
+        """``output`` (N*C,) <- row r of every rank's ``tensor`` (N*C,): rank r's row of
+        each; ``then`` runs at the wait. Counted under ``op``: one rank sends ``B (N-1)/N``
+        of its B bytes (its own row stays)."""
+        nbytes = tensor_bytes(tensor) * (self.size - 1) // max(self.size, 1)
+
+        def run(group):
+            if group is None:
+                output.copy_(tensor)
+                return None
+            return dist.all_to_all_single(output, tensor, group=group, async_op=True)
+
+        return self._launch(op, nbytes, run, output, tensor, then=then)
 
     def _gather_point_to_point(self, output: torch.Tensor, shard: torch.Tensor,
                                group: dist.ProcessGroup) -> WorkList:

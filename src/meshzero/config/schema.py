@@ -286,6 +286,15 @@ def _mesh_problems(config: Config) -> list[str]:
         problems.append(f"tensor_parallel.size = {tp.size} needs tensor_parallel.plan: a shipped "
                         "plan's name (gpt, hf_gpt2, llama) or {module pattern: "
                         "colwise|rowwise|vocab}")
+    mesh = {"tensor_parallel.size": tp.size, "pipeline_parallel.size": pp.size,
+            "sequence_parallel_size": config.sequence_parallel_size}
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                "zero_quantized_gradients"):
+        for axis, size in mesh.items():
+            if getattr(zc, key) and size > 1:
+                problems.append(f"zero_optimization.{key} with {axis} = {size} is not "
+                                "supported yet (ZeRO++ here quantizes the data-parallel "
+                                "collectives of a dp-only mesh); drop one of them")
     gas = config.gradient_accumulation_steps
     if pp.size > 1 and pp.micro_batches is not None and gas is not None and gas != \
             pp.micro_batches:

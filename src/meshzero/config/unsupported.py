@@ -19,9 +19,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "hybrid_engine": "RLHF hybrid engine",
     "sparse_gradients": "sparse gradients",
     "nebula": "Nebula checkpoint service",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
-    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zeropp_loco_param": "ZeRO++ LoCo",
     "zero_optimization.zenflow": "ZenFlow (top-k gradient columns stepped on the GPU, the rest "
                                  "on the CPU every update_interval steps); "

@@ -29,6 +29,11 @@ class ZeroConfig(Section):
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     sub_group_size: PosInt = 1_000_000_000
     zero_hpz_partition_size: PosInt = 1
+    # ZeRO++ (docs/compression.md): int8 weights in stage 3's gathers (all, or frozen only),
+    # int4 gradients across nodes in the reduce-scatter
+    zero_quantized_weights: Bool = False
+    zero_quantized_nontrainable_weights: Bool = False
+    zero_quantized_gradients: Bool = False
     mics_shard_size: Annotated[Int, Field(ge=-1)] = -1
     # None: not given, and save_16bit_model saves; false at stage 3: it saves nothing, as in
     # DeepSpeed (whose default is false)
@@ -49,6 +54,7 @@ class ZeroConfig(Section):
             problems.append(f"zero_optimization.zero_hpz_partition_size = "
                             f"{self.zero_hpz_partition_size} needs zero_optimization.stage 3 "
                             f"(stage is {self.stage}): it keeps a secondary parameter shard")
+        problems += self._zeropp_problems()
         if self.mics_shard_size not in (-1, 0, 1) and self.stage == 0:
             problems.append(f"zero_optimization.mics_shard_size = {self.mics_shard_size} needs "
                             "zero_optimization.stage 1, 2 or 3 (stage is 0)")
@@ -67,3 +73,30 @@ class ZeroConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _zeropp_problems(self) -> list[str]:
+        """qwZ / qgZ against the stage, offload and MiCS (the mesh: config/schema.py)."""
+        problems = []
+        weights = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights")
+                   if getattr(self, k)]
+        for key in weights:
+            if self.stage != 3:
+                problems.append(f"zero_optimization.{key} = true needs zero_optimization.stage 3 "
+                                f"(stage is {self.stage}): only stage 3 gathers weights")
+        quantized = weights + (["zero_quantized_gradients"] if self.zero_quantized_gradients
+                               else [])
+        if self.zero_quantized_gradients and self.stage == 0:
+            problems.append("zero_optimization.zero_quantized_gradients = true needs "
+                            "zero_optimization.stage 1, 2 or 3 (stage is 0): stage 0 "
+                            "all-reduces gradients, qgZ quantizes a reduce-scatter")
+        offload = [k for k, d in (("offload_optimizer", self.offload_optimizer.device),
+                                  ("offload_param", self.offload_param.device)) if d != "none"]
+        for key in quantized:
+            if offload:
+                problems.append(f"zero_optimization.{key} with zero_optimization."
+                                f"{offload[0]} is not supported yet; drop one of them")
+            if self.mics_shard_size not in (-1, 0, 1):
+                problems.append(f"zero_optimization.{key} with mics_shard_size = "
+                                f"{self.mics_shard_size} is not supported yet; use "
+                                "zero_hpz_partition_size to keep gathers inside a node")
+        return problems

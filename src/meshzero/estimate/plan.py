@@ -19,6 +19,9 @@ result:
                         reduce-scatter psi
     offload  = PCIe copies of the gradient and parameter shards, the host optimizer step
                (cpu_adam_rate per node) and NVMe reads and writes (nvme_bw per node)
+    ZeRO++ (zero_quantized_weights / _gradients, zero_hpz_partition_size): bytes are
+               counted op by op, inside a node over intra_node_bw and across over
+               inter_node_bw (estimate/timing.py communication_split; docs/compression.md)
 
 Tensor/pipeline parallelism (tp, pp from the config or --tp/--pp) is kept as given, or with
 --search-mesh every tp inside a node and every pp is tried (estimate/mesh_search.py): ZeRO
@@ -48,7 +51,8 @@ from meshzero.estimate.model import InputsFn, load_model
 from meshzero.estimate.report import fmt_bytes
 from meshzero.estimate.settings import Cluster, Settings, settings_from_config
 from meshzero.estimate.timing import (
-    communication_bytes,
+    communication_bytes,  # noqa: F401  (re-exported: tests and callers import it here)
+    communication_split,
     model_parallel_seconds,
     num_layers,
     offload_seconds,
@@ -304,8 +308,9 @@ class Planner:
         compute = (s.grad_accum + bubble) * flops / (a.gpu_flops * a.mfu)
         states = self.estimator.states(s, c.world_size)
         dp = states.world_size
-        comm = communication_bytes(states.layout, s) / (
-            a.inter_node_bw if dp * s.tp > c.gpus_per_node else a.intra_node_bw)
+        # bytes inside and across nodes (ZeRO++ qwZ / qgZ / hpZ: fewer across)
+        inside, across = communication_split(states.layout, s, max(1, c.gpus_per_node // s.tp))
+        comm = inside / a.intra_node_bw + across / a.inter_node_bw
         if s.model_parallel > 1:
             model = self.estimator.spec.model
             tp_s, pp_s = model_parallel_seconds(s, c, a, model, num_layers(model))

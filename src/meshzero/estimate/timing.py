@@ -7,8 +7,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from meshzero.comm.quantize import packed_bytes
+from meshzero.comm.stats import ring_bytes
 from meshzero.estimate.settings import Cluster, Settings
 from meshzero.estimate.states import reuse_kept
+from meshzero.zero.quantized_grads import cross_node_bytes
+from meshzero.zero.sharded_params import QWZ_BLOCK
 
 if TYPE_CHECKING:
     from meshzero.estimate.plan import Assumptions
@@ -35,6 +39,49 @@ def communication_bytes(layout, s: Settings) -> float:
                 reduces = s.grad_accum if s.stage >= 2 else 1
                 total += reduces * g.padded_numel * s.comm_bytes
     return total * ring
+
+
+def communication_split(layout, s: Settings, ranks_per_node: int) -> tuple[int, int]:
+    """(inside-node, across-node) bytes one data-parallel rank sends per optimizer step,
+    op by op as meshzero.comm counts them (an op over a group with ranks on two nodes counts
+    whole across-node), ``ranks_per_node`` data-parallel ranks to a node. Models ZeRO++:
+    qwZ's gathers move ``(n-1) * packed(S)`` bytes (int8 in blocks of 2048 with an fp32
+    scale each, comm/quantize.py); hpZ's backward gathers go over its block, inside a node
+    when it fits; qgZ reduces inside the node at full precision and sends int4 across
+    (zero/quantized_grads.py)."""
+    zc = s.config.zero_optimization
+    n = layout.num_shards
+    k = min(ranks_per_node, n)  # qgZ: ranks of a node; n // k nodes
+    hpz = zc.zero_hpz_partition_size
+    spans = {"dp": n > ranks_per_node, "hpz": hpz > ranks_per_node, "node": False,
+             "cross": n // k > 1}
+    out = {True: 0, False: 0}
+    kept = reuse_kept(layout, s)
+    for g in layout.groups():
+        pb = g.padded_numel * s.compute_bytes
+        if s.stage == 3 and not g.persistent:
+            quantized = zc.zero_quantized_weights or (
+                zc.zero_quantized_nontrainable_weights and not g.requires_grad)
+            fwd = ((n - 1) * packed_bytes(g.shard_numel, QWZ_BLOCK, 8) if quantized
+                   else ring_bytes("all_gather", pb, n))
+            out[spans["dp"]] += s.grad_accum * fwd
+            if g.unit not in kept:  # gathered again for backward
+                bwd = ring_bytes("all_gather", pb, hpz) if hpz > 1 else fwd
+                out[spans["hpz" if hpz > 1 else "dp"]] += s.grad_accum * bwd
+        elif s.stage >= 1 and s.trains(g):  # the updated shards, after the step
+            out[spans["dp"]] += ring_bytes("all_gather", pb, n)
+        if not s.trains(g):
+            continue
+        gb = g.padded_numel * s.comm_bytes
+        reduces = s.grad_accum if s.stage >= 2 else 1
+        if s.stage == 0:
+            out[spans["dp"]] += ring_bytes("all_reduce", gb, n)
+        elif zc.zero_quantized_gradients:
+            out[spans["node"]] += reduces * ring_bytes("reduce_scatter", gb, k)
+            out[spans["cross"]] += reduces * cross_node_bytes(g.shard_numel, n // k)
+        else:
+            out[spans["dp"]] += reduces * ring_bytes("reduce_scatter", gb, n)
+    return out[False], out[True]
 
 
 def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:

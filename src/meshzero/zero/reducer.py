@@ -22,6 +22,7 @@ import torch
 
 from meshzero.comm import Communicator, Handle
 from meshzero.zero.flat_buffer import FlatGroup, TransientPool
+from meshzero.zero.quantized_grads import HierarchicalReduceScatter, TwoHops
 
 
 class GradientReducer:
@@ -37,11 +38,14 @@ class GradientReducer:
         on_unit_reduced: Callable[[int], None] | None = None,
         replica_comm: Communicator | None = None,
         predivide: float = 1.0,
+        grad_reduce: HierarchicalReduceScatter | None = None,
     ):
         """``replica_comm`` (MiCS): after the reduce-scatter inside the shard block, the
         gradient shard is all-reduced across the blocks that replicate it. ``predivide``:
         gradients are multiplied by 1 / predivide before they are summed (DeepSpeed's
-        prescale_gradients and gradient_predivide_factor, which keep 16-bit sums in range)."""
+        prescale_gradients and gradient_predivide_factor, which keep 16-bit sums in range).
+        ``grad_reduce`` (ZeRO++ qgZ): the reduce-scatters go by its two hops, the one across
+        nodes quantized (zero/quantized_grads.py), instead of over ``comm``."""
         self.units = units
         self.comm = comm
         self.stage = stage
@@ -51,6 +55,7 @@ class GradientReducer:
         self.on_unit_reduced = on_unit_reduced
         self.replica_comm = replica_comm
         self.predivide = predivide
+        self.scatter: Communicator | HierarchicalReduceScatter = grad_reduce or comm
         self._count_trainable()
         # frozen now (requires_grad False): no gradient comes; a unit whose parameters are
         # all frozen in this backward (``expected`` 0) has nothing new to reduce, and at
@@ -58,7 +63,7 @@ class GradientReducer:
         self.expected = list(self.num_trainable)
         self.touched = [True] * len(units)
         self.frozen: frozenset[int] = frozenset()
-        self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
+        self.inflight: deque[tuple[Handle | TwoHops, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
         # True while units are stepped during backward: a group with any inf/nan is sent as
@@ -273,7 +278,8 @@ class GradientReducer:
         if self.unreduced[unit] == 0 and self.on_unit_reduced is not None:
             self.on_unit_reduced(unit)
 
-    def _reduce(self, group: FlatGroup, unit: int) -> tuple[Handle, Callable[[], object]]:
+    def _reduce(self, group: FlatGroup, unit: int
+                ) -> tuple[Handle | TwoHops, Callable[[], object]]:
         src = group.grad_target()
         send = src if self.comm_dtype == src.dtype else src.to(self.comm_dtype)
         if self.predivide != 1.0:  # never in place on src: it may be read after the reduction
@@ -292,8 +298,8 @@ class GradientReducer:
                else torch.empty_like(send[: group.layout.shard_numel]))
         # gloo on CPU receives every rank's slice for this rank into a buffer of send's size
         work = (self.pool.take(send.numel(), send.dtype, send.device)
-                if self.comm.reduces_by_all_to_all(send) else None)
-        handle = self.comm.reduce_scatter(out, send, work)
+                if self.scatter.reduces_by_all_to_all(send) else None)
+        handle = self.scatter.reduce_scatter(out, send, work)
         accumulate = (self.stage >= 2 and not self.grads_are_zero) or \
             id(group) in self._add_to_reduced
 

@@ -49,6 +49,10 @@ from meshzero.zero.param_access import (
 )
 
 
+# qwZ's block: int8 codes and one fp32 scale per 2048 elements (0.2 % more bytes than int8)
+QWZ_BLOCK = 2048
+
+
 class GatherOrderError(RuntimeError):
     """Stage 3: the ranks gathered different units at the same point of the step."""
 
@@ -106,6 +110,7 @@ class ParameterSharder:
         secondary_comm: Communicator | None = None,
         unit_names: list[str] | None = None,
         phases: PhaseCheck | None = None,
+        quantize: str = "none",
     ):
         """``shard_source``: with parameter offload, an object whose ``read_shard(group)``
         returns a group's shard from the NVMe tier and ``prefetch_shard(group)`` starts
@@ -113,7 +118,12 @@ class ParameterSharder:
         ``secondary_comm`` (ZeRO++ hpZ): after forward each rank keeps 1/k of the unit, k the
         size of this group, and backward all-gathers over it (inside a node) instead of over
         every data-parallel rank. ``unit_names``: module paths, for error messages.
-        ``phases``: the phase check the unit-order check rides on (None: no check)."""
+        ``phases``: the phase check the unit-order check rides on (None: no check).
+        ``quantize`` (ZeRO++ qwZ): which groups the hooks' gathers move block-quantized
+        (int8, Communicator.all_gather_quantized): "all", "frozen" (the groups of parameters
+        frozen at initialize) or "none". Gathers on demand (engine.gathered, a parameter read
+        outside the hooks, a 16-bit save) move exact values; hpZ's secondary gathers copy the
+        forward's dequantized values inside the node, unquantized."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
@@ -122,6 +132,7 @@ class ParameterSharder:
         self.max_reuse_distance = max_reuse_distance
         self.shard_source = shard_source
         self.secondary_comm = secondary_comm
+        self.quantize = quantize
         self.secondary: dict[int, list[torch.Tensor]] = {}
         self.device = next((g.full.device for gs in units for g in gs), torch.device("cpu"))
         self.numel = [sum(g.layout.padded_numel for g in gs) for gs in self.units]
@@ -167,16 +178,20 @@ class ParameterSharder:
         """Issue the all-gathers of ``unit`` (no wait). A no-op if gathered or in flight."""
         self._gather_units([unit])
 
-    def _gather_units(self, units: list[int]) -> None:
-        """Issue the all-gathers of ``units`` in this order, after one order check for all."""
+    def _gather_units(self, units: list[int], quantized: bool = False) -> None:
+        """Issue the all-gathers of ``units`` in this order, after one order check for all
+        (``quantized``: a hook's gather, quantized as ``self.quantize`` says)."""
         fresh = [u for u in dict.fromkeys(units) if not self.gathered[u] and u not in self.pending]
         if not fresh:
             return
         self._check_order(fresh)
         for u in fresh:
-            self._issue_gather(u)
+            self._issue_gather(u, quantized)
 
-    def _issue_gather(self, unit: int) -> None:
+    def _quantized(self, g: FlatGroup) -> bool:
+        return self.quantize == "all" or (self.quantize == "frozen" and not g.trainable)
+
+    def _issue_gather(self, unit: int, quantized: bool = False) -> None:
         handles = []
         secondary = self.secondary.pop(unit, None)
         comm = self.comm if secondary is None else self.secondary_comm
@@ -188,6 +203,9 @@ class ParameterSharder:
             if secondary is not None:  # hpZ: from the secondary shards, inside the node
                 self.memory.add(-secondary[i].numel() * secondary[i].element_size())
                 handles.append(comm.all_gather(g.full, secondary[i]))
+            elif quantized and self._quantized(g):  # qwZ: int8 blocks on the wire
+                handles.append(self.comm.all_gather_quantized(
+                    g.full, self._shard_on_device(g), block=QWZ_BLOCK))
             else:
                 handles.append(self.comm.all_gather(g.full, self._shard_on_device(g)))
         self.pending[unit] = handles
@@ -254,8 +272,8 @@ class ParameterSharder:
                 if not self.shard_source.prefetch_shard(g):
                     return
 
-    def wait_parameters(self, unit: int) -> None:
-        self.gather_parameters(unit)
+    def wait_parameters(self, unit: int, quantized: bool = False) -> None:
+        self._gather_units([unit], quantized)
         for h in self.pending.pop(unit, []):
             h.wait()
         self.gathered[unit] = True
@@ -291,7 +309,7 @@ class ParameterSharder:
         """Backward unpacks a saved view of ``unit``: gather it if it was released (then it
         stays until the end of backward, its gradients being in already)."""
         if not self.gathered[unit] or unit in self.pending:
-            self.wait_parameters(unit)
+            self.wait_parameters(unit, quantized=True)
 
     def _use_parameter(self, param) -> None:
         unit = self._unit_of_param[id(param)]
@@ -356,7 +374,7 @@ class ParameterSharder:
         """A hook's gathers: ``unit`` (if not gathered) and, after the first step, the units
         ahead in ``order``, issued after one order check, then wait for ``unit``."""
         ahead = [] if self.recording else self._prefetch_list(order, pos, unit)
-        self._gather_units([unit, *ahead])
+        self._gather_units([unit, *ahead], quantized=True)
         self.wait_parameters(unit)
 
     # -- hooks ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from meshzero.zero.offload import (  # noqa: F401  (CATEGORIES, TIERS: re-export
 from meshzero.zero.offload.states import StateOffload, state_names
 from meshzero.zero.offload.transfer import StepTransfers
 from meshzero.zero.owners import register_owner
+from meshzero.zero.quantized_grads import HierarchicalReduceScatter
 from meshzero.zero.reducer import GradientReducer
 from meshzero.zero.sharded_optimizer import ShardedOptimizerState
 from meshzero.zero.sharded_params import (
@@ -72,6 +73,8 @@ class ZeroOptions:
     # no optimizer (a frozen reference / reward / EMA model): parameters only, no master,
     # gradients or optimizer states; forward runs without autograd, backward is refused
     forward_only: bool = False
+    # ZeRO++ qwZ: which groups stage 3's hook gathers move as int8 ("all", "frozen", "none")
+    quantize_weights: str = "none"
 
 
 class ZeroModelState:
@@ -80,7 +83,8 @@ class ZeroModelState:
                  materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
                  | None = None,
                  secondary_comm: Communicator | None = None,
-                 replica_comm: Communicator | None = None):
+                 replica_comm: Communicator | None = None,
+                 grad_reduce: HierarchicalReduceScatter | None = None):
         self.model = model
         self.comm = comm
         self.device = device
@@ -115,7 +119,7 @@ class ZeroModelState:
             self.units, comm, stage=stage, comm_dtype=options.comm_dtype,
             bucket_numel=options.reduce_bucket_numel, on_unit_ready=self._on_unit_ready,
             on_unit_reduced=self.tier.on_unit_reduced, replica_comm=replica_comm,
-            predivide=options.grad_predivide,
+            predivide=options.grad_predivide, grad_reduce=grad_reduce,
         )
         self.optimizer: torch.optim.Optimizer | None = None
         # id(parameter) -> the optimizer param group it was given in (frozen ones included)
@@ -147,7 +151,7 @@ class ZeroModelState:
             max_live_numel=options.max_live_numel,
             max_reuse_distance=options.max_reuse_distance, phases=phases,
             shard_source=self.tier.shard_source(), secondary_comm=secondary_comm,
-            unit_names=names)
+            unit_names=names, quantize=options.quantize_weights)
 
     def _build_units(
         self, materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
