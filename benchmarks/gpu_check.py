@@ -22,6 +22,9 @@ Checks (each prints PASS/FAIL and a line of figures):
    with the optimizer (and the parameters) offloaded: step time against the GPU-resident
    step, d2h / h2d GB/s, pinned vs pageable memcpy; fails on any pageable offload copy or
    d2h under 10 GB/s.
+8. ``quantized`` (``gpu_quantized.py``): ZeRO++ qwZ + qgZ at ZeRO-3 on the device: the
+   quantizer's bytes equal the CPU's, the engine equals a plain-torch replay with the same
+   int8 weights and int4 gradients (rtol 1e-4), the quantized ops run.
 
 Exit status 1 if any check fails. Nothing is downloaded; the models are built here.
 """
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import build_model, gpt_spec, loss_fn, make_batches  # noqa: E402
 from gpu_offload_speed import check_offload_speed  # noqa: E402
 from gpu_profiler_truth import check_profiler_truth  # noqa: E402
+from gpu_quantized import check_quantized  # noqa: E402
 
 import meshzero  # noqa: E402
 from meshzero.topology import init_distributed  # noqa: E402
@@ -175,7 +179,8 @@ def check_gpt_offload(spec, device, steps):
 CHECKS = {"nccl": check_nccl, "bf16": check_bf16, "cpu_offload": check_cpu_offload,
           "nvme_offload": check_nvme_offload, "gpt_offload": check_gpt_offload,
           "offload_speed": check_offload_speed,  # gpu_offload_speed.py: the 1.28 B GPT
-          "profiler_truth": check_profiler_truth}  # gpu_profiler_truth.py
+          "profiler_truth": check_profiler_truth,  # gpu_profiler_truth.py
+          "quantized": check_quantized}  # gpu_quantized.py: ZeRO++ qwZ + qgZ
 
 
 def main() -> int:

@@ -15,8 +15,10 @@
 # step time over the GPU-resident step, d2h / h2d GB/s, pinned vs pageable memcpy (fails on a
 # pageable offload copy or d2h < 10 GB/s); profiler_truth (gpu_profiler_truth.py): a 1.24 B GPT
 # at ZeRO-3, the profiler's headline against an outside timer and the profiled step against the
-# median, both within 5 %. (Besides tests/test_offload_cuda.py, skipped without CUDA, the test
-# suite's distributed tests spawn gloo ranks on CPU: these are the CUDA tests.)
+# median, both within 5 %; quantized (gpu_quantized.py): ZeRO++ qwZ + qgZ at ZeRO-3 equal a
+# plain-torch replay with the same int8 weights and int4 gradients. (Besides
+# tests/test_offload_cuda.py, skipped without CUDA, the test suite's distributed tests spawn
+# gloo ranks on CPU: these are the CUDA tests.)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,7 +34,7 @@ dry=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --dry-run or nothing)" >&2; exit 2 ;;
   esac
 done

@@ -287,8 +287,8 @@ class GradientReducer:
         if self.spread_nonfinite:
             send.masked_fill_(~torch.isfinite(send).all(), float("nan"))  # no host sync
         if self.stage == 0:
-            handle = self.comm.all_reduce(send)
-            return handle, (lambda: src.copy_(send)) if send is not src else (lambda: None)
+            reduced = self.comm.all_reduce(send)
+            return reduced, (lambda: src.copy_(send)) if send is not src else (lambda: None)
         # into the gradient shard itself when it is on the device (an offload tier takes
         # ``out`` across to its host buffer: tier.store_grad)
         direct = (self.stage >= 2 and self.grads_are_zero and group.grad is not None

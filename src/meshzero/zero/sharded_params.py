@@ -48,7 +48,6 @@ from meshzero.zero.param_access import (
     unmark_sharded,
 )
 
-
 # qwZ's block: int8 codes and one fp32 scale per 2048 elements (0.2 % more bytes than int8)
 QWZ_BLOCK = 2048
 
