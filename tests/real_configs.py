@@ -255,6 +255,9 @@ LOADS: dict[str, dict] = {
             "overlap_comm": T, "contiguous_gradients": T, "cpu_offload": F}},
     "DeepSpeed-Chat get_train_ds_config(offload=False, 'fp16', stage=2)": ds_chat(2, "fp16"),
     "DeepSpeed-Chat get_train_ds_config(offload=False, 'bf16', stage=3)": ds_chat(3, "bf16"),
+    # ZeRO++ quantized frozen weights (docs/compression.md)
+    "DeepSpeed-Chat get_train_ds_config(..., enable_mixed_precision_lora=True)":
+        ds_chat(3, "bf16", lora=True),
     "DeepSpeed-Chat get_train_ds_config(offload=True, 'bf16', stage=3)":
         ds_chat(3, "bf16", offload=True),
     "DeepSpeed-Chat get_eval_ds_config(offload=False, 'fp16', stage=0)": {
@@ -402,8 +405,6 @@ LOADS: dict[str, dict] = {
 # name -> (config, the dotted keys the one error must name). Each would change what
 # training computes in a way meshzero cannot honour.
 REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "DeepSpeed-Chat get_train_ds_config(..., enable_mixed_precision_lora=True)": (
-        ds_chat(3, "bf16", lora=True), ("zero_optimization.zero_quantized_nontrainable_weights",)),
     "DeepSpeed docs onebit-adam tutorial": (
         {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
             "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},

@@ -108,8 +108,8 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     (("optimizer", "params", "betas"), [0.9, "auto"], ("optimizer.params.betas[1]", AUTO)),
     # DeepSpeed features that change results and that meshzero does not implement yet
     (("zero_optimization", "cpu_offload"), "yes", ("zero_optimization.cpu_offload", "true or")),
-    (("zero_optimization", "zero_quantized_gradients"), True,
-     ("zero_optimization.zero_quantized_gradients", NOT_YET)),
+    (("zero_optimization", "zero_quantized_gradients"), "yes",
+     ("zero_optimization.zero_quantized_gradients", "valid boolean")),
     # offload: validated keys
     (
         ("zero_optimization", "offload_param"),
@@ -124,7 +124,8 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     (("zero_optimization", "offload_optimizer"), {"device": "gpu"},
      ("zero_optimization.offload_optimizer.device = 'gpu'", "'none', 'cpu' or 'nvme'")),
     (("zero_optimization", "sub_group_size"), -1, ("zero_optimization.sub_group_size = -1",)),
-    (("zero_optimization", "zero_quantized_weights"), True, ("zero_quantized_weights", NOT_YET)),
+    (("zero_optimization", "zero_quantized_weights"), "yes", ("zero_quantized_weights",
+                                                               "valid boolean")),
     (("zero_optimization", "zeropp_loco_param"), {"err_beta": 0.8},
      ("zero_optimization.zeropp_loco_param", NOT_YET)),
     (("zero_optimization", "zero_hpz_partition_size"), 0,

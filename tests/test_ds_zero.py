@@ -200,8 +200,10 @@ def test_leaf_module_is_one_unit_and_trains_as_plain_torch(tmp_path):
 
 
 def test_init_keywords_are_honoured_or_refused():
-    with pytest.raises(NotImplementedError, match="zero_quantized_weights"):
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_weights: true"):
         deepspeed.zero.Init(zero_quantized_weights=True)
+    deepspeed.zero.Init(zero_quantized_weights=True, config={  # the config says it too
+        "train_batch_size": 1, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
     with pytest.raises(NotImplementedError, match="module"):
         deepspeed.zero.Init(module=nn.Linear(2, 2))
     with pytest.raises(ValueError, match="compute dtype"):

@@ -42,8 +42,8 @@ class Init:
     half-precision compute dtype the config sets (the engine casts to the config's);
     ``zero_param_parallel_group``: refused (use ``zero_optimization.zero_hpz_partition_size``);
     ``zero_quantized_weights`` /
-    ``zero_quantized_nontrainable_weights``: refused (ZeRO++ quantized weights are not
-    implemented); ``sequence_data_parallel_group``: refused (the config's sequence
+    ``zero_quantized_nontrainable_weights``: True must be what the config says (the engine's
+    config decides, docs/compression.md); ``sequence_data_parallel_group``: refused (the config's sequence
     parallel section builds that group); ``param_swapper``: refused (use
     ``offload_param.device: nvme``)."""
 
@@ -59,10 +59,6 @@ class Init:
                 "deepspeed.initialize), which shards it")
         _refuse("zero_param_parallel_group", zero_param_parallel_group, None,
                 "set zero_optimization.zero_hpz_partition_size in the config")
-        _refuse("zero_quantized_weights", zero_quantized_weights, False,
-                "ZeRO++ quantized weights are not implemented; leave it False")
-        _refuse("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights,
-                False, "ZeRO++ quantized weights are not implemented; leave it False")
         _refuse("sequence_data_parallel_group", sequence_data_parallel_group, None,
                 "the config's sequence parallel section builds that group at initialize")
         _refuse("param_swapper", param_swapper, None,
@@ -74,6 +70,8 @@ class Init:
             raise ValueError("deepspeed.zero.Init: pass config_dict_or_path or config (its "
                              "deprecated alias), not both")
         self.config = config_dict_or_path if config_dict_or_path is not None else config
+        _check_quantized(self.config, zero_quantized_weights=zero_quantized_weights,
+                         zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights)
         _check_dtype(dtype, self.config)
         self.enabled = enabled
         self._context: AbstractContextManager[Any] | None = None
@@ -87,6 +85,22 @@ class Init:
         assert self._context is not None, "Init.__exit__ without __enter__"
         context, self._context = self._context, None
         context.__exit__(*exc)
+
+
+def _check_quantized(config: Any, **keys: bool) -> None:
+    """ZeRO++ qwZ asked of Init: the config must ask for it too (the engine reads the
+    config at initialize; Init builds nothing that depends on it)."""
+    asked = [k for k, v in keys.items() if v]
+    if not asked:
+        return
+    from meshzero.config import load_config
+
+    zc = None if config is None else load_config(config).zero_optimization
+    for key in asked:
+        if zc is None or not getattr(zc, key):
+            raise ValueError(f"deepspeed.zero.Init({key}=True): set zero_optimization.{key}: "
+                             "true in the config passed to Init and initialize (the engine's "
+                             "config decides), or drop the keyword")
 
 
 def _check_dtype(dtype: torch.dtype | None, config: Any) -> None:
