@@ -21,6 +21,12 @@ index, so ranks that run different units (rank-dependent control flow) fail nami
 exchange runs over a process group of its own: on the data group it would queue behind the
 gathers and reductions in flight (gloo runs a group's ops in order) and wait for them all.
 
+ZeRO++ qwZ (``quantize``: "all" groups, or "frozen", those of parameters frozen at
+initialize): the hooks' gathers (and a backward regather) move int8 blocks and scales
+(Communicator.all_gather_quantized) and dequantize into the full buffer; the shard stays
+exact. Gathers on demand (engine.gathered, a parameter read outside the hooks, a 16-bit save)
+move exact values; hpZ's backward gathers move the forward's dequantized copy inside the node.
+
 Reuse (zero/gather_plan.py): from the second step, the units of the plan's kept set are not
 released after their last forward use; their backward finds them gathered.
 """
@@ -118,11 +124,7 @@ class ParameterSharder:
         size of this group, and backward all-gathers over it (inside a node) instead of over
         every data-parallel rank. ``unit_names``: module paths, for error messages.
         ``phases``: the phase check the unit-order check rides on (None: no check).
-        ``quantize`` (ZeRO++ qwZ): which groups the hooks' gathers move block-quantized
-        (int8, Communicator.all_gather_quantized): "all", "frozen" (the groups of parameters
-        frozen at initialize) or "none". Gathers on demand (engine.gathered, a parameter read
-        outside the hooks, a 16-bit save) move exact values; hpZ's secondary gathers copy the
-        forward's dequantized values inside the node, unquantized."""
+        ``quantize``: qwZ's groups, "all", "frozen" or "none" (module docstring)."""
         self.units = [[g for g in gs if g.sharded] for gs in units]
         self.comm = comm
         self.memory = memory
