@@ -210,11 +210,11 @@ def test_quantized_weights_master_equals_replay(tmp_path, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_quantized_gradients_equal_replay(tmp_path, world_size):
-    """qgZ at stages 2 and 3, fp32, 2 simulated nodes from W = 2 (1 rank each at W = 2, 2 at
+    """qgZ at stages 1, 2 and 3, fp32, 2 simulated nodes from W = 2 (1 rank each at W = 2, 2 at
     W = 4): the gradient is each node's sum, int4-quantized per shard, summed over nodes."""
     per_node = max(1, world_size // 2)
     configs = [_config(world_size, stage, per_node=per_node, zero_quantized_gradients=True)
-               for stage in (2, 3)]
+               for stage in (1, 2, 3)]
     runs = run_distributed(_train, world_size, tmp_path, configs, timeout=240)[0]
     want = _replay(world_size, grads=True, per_node=per_node)
     plain = _replay(world_size)

@@ -7,7 +7,7 @@ owns shard r (S elements) of a group's flat gradient ``full`` (n*k*S,). Per grou
    is reordered to (k, n, S) and reduce-scattered over the node's k ranks, so local rank j
    gets the node's partial sum of the n shards ``m * k + j`` (one per node), (n, S);
 2. across nodes: each of those n chunks is block-quantized (comm/quantize.py, int4 in
-   blocks of 256 with an fp32 scale each) and all-to-all'ed over the n ranks with the same
+   blocks of 32 with an fp32 scale each) and all-to-all'ed over the n ranks with the same
    local index j, so rank r receives every node's partial sum of its own shard;
 3. they are dequantized and summed in fp32 into the shard.
 
@@ -15,13 +15,18 @@ Every chunk is quantized, the rank's own node's included, so what a rank gets do
 depend on which node it sits on, and one node (or one rank) quantizes too. Bytes per rank
 and group: ``(k-1)/k * n*k*S * b`` inside the node (b: bytes per element of the
 communication dtype) and ``(n-1) * packed(S)`` across nodes, ``packed(S) = 4 * ceil(S /
-256) + ceil(S / 2)``, against ``(nk-1)/(nk) * nkS * b`` for the flat reduce-scatter, all of
+32) + ceil(S / 2)``, against ``(nk-1)/(nk) * nkS * b`` for the flat reduce-scatter, all of
 which crosses nodes when the group spans them.
+
+Blocks of 32: with 256 the demo GPT's loss after 300 steps was 5.6 % above uncompressed
+training, with 64 2.1 %, with 32 0.7 % (int8 in blocks of 256: 1.5 %), measured by
+benchmarks/compression.py --steps 300 (benchmarks/RESULTS.md): a small gradient element in a
+block with a large one rounds to zero every step, so a coarse block starves it.
 
 DeepSpeed's ``all_to_all_quant_reduce`` (runtime/comm/coalesced_collectives.py) quantizes
 the hop inside the node too (int4, then a quantized partial reduction) and is used at stage
 3 only; here the node's hop stays at full precision (intra-node links are fast) and stages
-2 and 3 both use it (they share the reduce-scatter).
+1, 2 and 3 use it (they share the reduce-scatter; stage 0 all-reduces, and is refused).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from meshzero.comm import Communicator, Handle
 from meshzero.comm.quantize import dequantize_rows, packed_bytes, quantize
 
-QGZ_BLOCK = 256
+QGZ_BLOCK = 32  # 0.625 bytes an element: 0.5 of codes, 4 / 32 of scale (docs/compression.md)
 QGZ_BITS = 4
 
 

@@ -43,8 +43,8 @@ class Init:
     ``zero_param_parallel_group``: refused (use ``zero_optimization.zero_hpz_partition_size``);
     ``zero_quantized_weights`` /
     ``zero_quantized_nontrainable_weights``: True must be what the config says (the engine's
-    config decides, docs/compression.md); ``sequence_data_parallel_group``: refused (the config's sequence
-    parallel section builds that group); ``param_swapper``: refused (use
+    config decides, docs/compression.md); ``sequence_data_parallel_group``: refused (the
+    config's sequence parallel section builds that group); ``param_swapper``: refused (use
     ``offload_param.device: nvme``)."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
