@@ -337,3 +337,25 @@ def test_unsupported_combinations_are_refused_naming_the_key(zero, extra, words)
         load_config({"train_batch_size": 8, "zero_optimization": zero, **extra})
     assert words in str(err.value)
     assert "zero_quantized" in str(err.value)
+
+
+def _wide_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 256))
+
+
+def test_planner_sends_fewer_bytes_across_nodes_with_zeropp():
+    """``meshzero plan``'s time model (communication_split over the two bandwidths): on 2
+    nodes of 8, bf16 ZeRO-3, qwZ + qgZ cut the across-node bytes to under 0.35x and move
+    the node's reduce-scatter inside; qwZ alone leaves the gradients as they were."""
+    estimator = Estimator(load_model(_wide_model))
+
+    def split(**zero) -> tuple[int, int]:
+        settings = settings_from_config(_config(16, 3, bf16=True, **zero), 16)
+        return communication_split(estimator.states(settings, 16).layout, settings, 8)
+
+    plain, both, weights = split(), split(**{"zero_quantized_weights": True,
+                                             "zero_quantized_gradients": True}), \
+        split(zero_quantized_weights=True)
+    assert plain[0] == 0 and both[0] > 0
+    assert both[1] <= 0.35 * plain[1]
+    assert both[1] < weights[1] < plain[1]
