@@ -60,6 +60,6 @@ def test_gpu_check_dry_run_passes_on_cpu():
     out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    for check in ("nccl", "bf16", "cpu_offload", "nvme_offload", "gpt_offload"):
+    for check in ("nccl", "bf16", "cpu_offload", "nvme_offload", "gpt_offload", "quantized"):
         assert re.search(rf"^PASS {check}\b", out.stdout, re.M), (check, out.stdout[-4000:])
     assert "MFU" in out.stdout and "gpu_check: all passed" in out.stdout
