@@ -2,6 +2,7 @@
 
     python benchmarks/compression.py                 # bytes, W = 4 as 2 nodes of 2 ranks
     python benchmarks/compression.py --steps 300     # + convergence, plot into docs/
+    python benchmarks/compression.py --steps 300 --arms "1-bit Adam, stage 0 fp32"
 
 Bytes: the demo GPT (4 layers, width 128, 834,304 parameters) on 4 gloo ranks under
 torchrun, ``topology.ranks_per_node: 2``, rank 0's ``comm_report()`` of its last step split
@@ -132,10 +133,16 @@ def _held_out_loss(engine, corpus, world: int, rank: int, block: int) -> float:
     return _mean_over_ranks(total / 8)
 
 
-def _bytes_table(nproc: int) -> tuple[list[str], bool]:
+def _with_baselines(arms: list[str]) -> list[str]:
+    """``arms`` in ARMS order, with the uncompressed arm each is compared with."""
+    want = set(arms) | {"none, stage 0 fp32" if "stage 0" in a else "none" for a in arms}
+    return [a for a in ARMS if a in want]
+
+
+def _bytes_table(nproc: int, arms: list[str]) -> tuple[list[str], bool]:
     rows = ["| arm | inside node B/step | across nodes B/step | across x uncompressed | "
             "ops (inside / across) |", "|---|---|---|---|---|"]
-    results = {arm: run_ranks(__file__, nproc, ["--arm", arm]) for arm in ARMS}
+    results = {arm: run_ranks(__file__, nproc, ["--arm", arm]) for arm in _with_baselines(arms)}
     ok = True
     for arm, r in results.items():
         if "skipped" in r:
@@ -153,13 +160,13 @@ def _bytes_table(nproc: int) -> tuple[list[str], bool]:
     return rows, ok
 
 
-def _converge(nproc: int, steps: int) -> tuple[list[str], dict, bool]:
+def _converge(nproc: int, steps: int, arms: list[str]) -> tuple[list[str], dict, bool]:
     curves: dict[str, list[float]] = {}
     finals: dict[str, float] = {}
     rows = ["| arm | held-out loss after training | x uncompressed | rule |",
             "|---|---|---|---|"]
     ok = True
-    for arm in CURVES:
+    for arm in [a for a in CURVES if a == "none" or a in arms]:
         r = run_ranks(__file__, nproc, ["--arm", arm, "--steps", str(steps)])
         if "skipped" in r:
             rows.append(f"| {arm} | skipped: {r['skipped']} | | |")
@@ -211,15 +218,20 @@ def write_svg(curves: dict[str, list[float]], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    rows, ok = _bytes_table(args.nproc)
+    arms = list(ARMS) if args.arms is None else [a.strip() for a in args.arms.split(";")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        sys.exit(f"--arms: unknown {unknown}; valid: {list(ARMS)}")
+    rows, ok = _bytes_table(args.nproc, arms)
     print(f"{args.nproc} ranks as 2-rank nodes; rank 0's bytes in its last step "
           f"(1-bit Adam: step {FREEZE + 2}, after {FREEZE} warm-up steps)\n")
     print("\n".join(rows))
     if args.steps is not None:
-        conv, curves, conv_ok = _converge(args.nproc, args.steps)
+        conv, curves, conv_ok = _converge(args.nproc, args.steps, arms)
         print(f"\nconvergence, {args.steps} steps\n")
         print("\n".join(conv))
-        write_svg(curves, ROOT / "docs" / "compression-loss.svg")
+        if args.arms is None:  # the plot shows every arm
+            write_svg(curves, ROOT / "docs" / "compression-loss.svg")
         print(json.dumps({k: [round(x, 4) for x in v[::25]] for k, v in curves.items()}))
         ok &= conv_ok
     sys.exit(0 if ok else 1)
@@ -230,6 +242,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None,
                         help="also train this many steps per arm and compare final losses")
+    parser.add_argument("--arms", default=None,
+                        help="arms to run, separated by ; (with their uncompressed baseline; "
+                             "default: all, and only then the plot is written)")
     parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
