@@ -4,34 +4,37 @@ recompiles (guard failures) and compile seconds, each with its reasons.
 Dynamo's counters are process-wide (``torch._dynamo.utils.counters``, ``guard_failures``,
 ``compilation_time_metrics``); a compiled unit's forward reads them before and after its call,
 so what compiled in between is that unit's: a compile runs inside the call that needs it.
+Recompiles are the guard failures of the forward's own code object (a graph break's resume
+functions are other code objects: the break itself is what is counted then).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import CodeType
+from typing import NamedTuple
 
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 
 _COMPILE_TIMER = "_compile.compile_inner"  # dynamo's whole compile of one frame
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     frames: int  # frame compiles: dynamo times each (counters["frames"] skips fullgraph ones)
     graphs: int
     breaks: dict[str, int]
-    failures: int
+    failures: int  # guard failures (recompiles) of the unit's forward
 
 
 def _frames() -> int:
     return len(compilation_time_metrics.get(_COMPILE_TIMER, ()))
 
 
-def snapshot() -> Snapshot:
-    """Dynamo's counters now (a few dict reads: cheap enough for every unit call)."""
-    return Snapshot(frames=_frames(), graphs=counters["stats"]["unique_graphs"],
-                    breaks=dict(counters["graph_break"]),
-                    failures=sum(len(v) for v in guard_failures.values()))
+def snapshot(code: CodeType) -> Snapshot:
+    """Dynamo's counters now, ``code``'s guard failures among them (a few dict reads, ~5 us:
+    cheap enough for every unit call)."""
+    return Snapshot(_frames(), counters["stats"]["unique_graphs"],
+                    dict(counters["graph_break"]), len(guard_failures.get(code, ())))
 
 
 @dataclass
@@ -57,11 +60,11 @@ class Delta:
         self.compile_seconds += other.compile_seconds
 
 
-def since(before: Snapshot) -> Delta:
-    """What dynamo compiled since ``before`` (nothing, on the hot path: one comparison)."""
-    if _frames() == before.frames and dict(counters["graph_break"]) == before.breaks:
+def since(before: Snapshot, code: CodeType) -> Delta:
+    """What dynamo compiled since ``before`` (nothing, on the hot path: two comparisons)."""
+    if _frames() == before.frames and counters["graph_break"] == before.breaks:
         return Delta()
-    now = snapshot()
+    now = snapshot(code)
     reasons = []
     breaks = 0
     for reason, count in now.breaks.items():
@@ -69,10 +72,10 @@ def since(before: Snapshot) -> Delta:
         if new > 0:
             breaks += new
             reasons.append("graph break: " + reason.splitlines()[0])
-    failures = [r for v in guard_failures.values() for r in v]
     recompiles = now.failures - before.failures
-    if recompiles > 0:  # the newest failures (dicts keep insertion order per code object)
-        reasons += ["recompile: " + r.splitlines()[0] for r in failures[-recompiles:]]
+    if recompiles > 0:  # the newest of the forward's guard failures
+        reasons += ["recompile: " + r.splitlines()[0]
+                    for r in guard_failures[code][before.failures:]]
     times = compilation_time_metrics.get(_COMPILE_TIMER, [])
     return Delta(frames=now.frames - before.frames, graphs=now.graphs - before.graphs,
                  graph_breaks=breaks, recompiles=max(recompiles, 0),

@@ -7,6 +7,7 @@ import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any, Protocol
 
 import torch
@@ -114,12 +115,13 @@ class UnitCompiler:
             compiled = shared[function]
             if checkpointed:  # the layer's own checkpointing runs eager around it
                 compiled = _checkpointing(compiled)
-            self._wrap(index, path or "<root>", module, compiled)
+            self._wrap(index, path or "<root>", module, compiled, function.__code__)
         self.backend, self.kwargs = backend, dict(kwargs)
         logger.info("compile: %d unit forward(s) compiled with backend %r%s", len(self.stats),
                     backend, f" ({len(self.eager_units)} eager)" if self.eager_units else "")
 
-    def _wrap(self, index: int, name: str, module: nn.Module, compiled: Callable) -> None:
+    def _wrap(self, index: int, name: str, module: nn.Module, compiled: Callable,
+              code: CodeType) -> None:
         stats = self.stats[name] = UnitStats(index)
         eager = types.MethodType(type(module).forward, module)
 
@@ -129,9 +131,9 @@ class UnitCompiler:
             sharder = self.sharder
             if sharder is not None and sharder.recording:  # stage 3's first step: eager,
                 return self._checked(name, index, sharder, eager, args, kwargs)  # checked
-            before = snapshot()
+            before = snapshot(code)
             out = compiled(module, *args, **kwargs)
-            delta = since(before)
+            delta = since(before, code)
             stats.compiled_calls += 1
             if not delta.empty:
                 self._account(name, stats, delta)
