@@ -190,3 +190,57 @@ def test_offloaded_params_and_optimizer_compile(tmp_path):
     for rank_runs in runs:
         _assert_params(rank_runs[0]["params"], ref.params)
         assert_compiled_once(rank_runs[0]["reports"], N_LAYER, first_step=1)
+
+
+class _Peek(torch.nn.Module):
+    """A block that also reads the previous block's weight (held in a list: not a child)."""
+
+    def __init__(self, dim: int, peer: list) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+        self.peer = peer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, dim) -> (B, dim)
+        y = torch.tanh(self.fc(x))
+        return y + x @ self.peer[0].fc.weight.t() if self.peer else y
+
+
+class _PeekStack(torch.nn.Module):
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_Peek(dim, [])])
+        self.blocks.append(_Peek(dim, [self.blocks[0]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _train_peek(rank: int, world_size: int) -> tuple:
+    import meshzero
+    from tests.models import make_batches
+
+    cfg = zero_config(3, global_batch=4, compile={"enabled": True, "backend": "aot_eager"})
+    engine, *_ = meshzero.initialize(model=_PeekStack(), config=cfg)
+    for x, _ in make_batches("mlp", 2, 4, in_dim=6):
+        x = x[rank * 4 // world_size:(rank + 1) * 4 // world_size]
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine.full_state_dict(), engine.compile_report()
+
+
+@pytest.mark.slow
+def test_a_unit_reading_another_units_parameters_stays_eager(tmp_path):
+    """Stage 3: blocks.1 reads blocks.0's weight, released by then. Its first call (eager)
+    gathers it on use; the check finds that, so blocks.1 stays eager (a compiled forward
+    cannot gather) with a WARNING, and training equals plain torch."""
+    from tests.models import make_batches, reference_train
+
+    params, report = run_distributed(_train_peek, 2, tmp_path, timeout=300)[0]
+    ref = reference_train(_PeekStack, make_batches("mlp", 2, 4, in_dim=6), eps=1e-4,
+                          loss_fn=lambda out, _y: out.square().mean())
+    assert list(report["eager_units"]) == ["blocks.1"]
+    assert "blocks.0" in report["eager_units"]["blocks.1"] and report["units"] == 1
+    _assert_params(params, ref.params)

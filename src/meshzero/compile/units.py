@@ -23,9 +23,7 @@ logger = logging.getLogger(__name__)
 class Sharder(Protocol):
     """What the compiler reads of stage 3's ParameterSharder (zero/sharded_params.py)."""
 
-    recording: bool  # the first step: orders are recorded, nothing is prefetched
-    gathered: list[bool]
-    sticky: set[int]
+    sticky: set[int]  # units gathered on a use outside their hooks (kept to the step's end)
 
 
 @dataclass
@@ -35,6 +33,7 @@ class UnitStats:
     index: int
     counts: Delta = field(default_factory=Delta)
     compiled_calls: int = 0
+    checked: bool = False  # stage 3: its first call ran eager, checked (_checked)
     settled: bool = False  # a step ended after its first compiled call: compiles now warn
 
     def as_dict(self) -> dict[str, Any]:
@@ -128,9 +127,9 @@ class UnitCompiler:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if name in self.eager_units or self.profiling_active():
                 return eager(*args, **kwargs)
-            sharder = self.sharder
-            if sharder is not None and sharder.recording:  # stage 3's first step: eager,
-                return self._checked(name, index, sharder, eager, args, kwargs)  # checked
+            if self.sharder is not None and not stats.checked:  # stage 3: the first call
+                stats.checked = True  # runs eager, checked for reads of other units
+                return self._checked(name, index, self.sharder, eager, args, kwargs)
             before = snapshot(code)
             out = compiled(module, *args, **kwargs)
             delta = since(before, code)
