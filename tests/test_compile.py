@@ -62,12 +62,15 @@ def test_deepcompile_fields_are_refused_unless_at_deepspeed_defaults():
 
 def test_axolotl_disable_spelling_and_combinations():
     """axolotl writes {"disable": false, "backend": "inductor"}: accepted (compile stays
-    off, as DeepSpeed leaves it); tp / sp / pp with compile are refused naming both keys."""
+    off, as DeepSpeed leaves it); tp and sp with compile are refused naming both keys (their
+    collectives run inside the blocks)."""
     cfg = load_config({"train_batch_size": 2, "compile": {"disable": False,
                                                           "backend": "inductor"}})
     assert not cfg.compile.enabled
     text = _problems({"enabled": True}, tensor_parallel={"size": 2, "plan": "gpt"})
     assert "compile.enabled with tensor_parallel.size = 2 is not supported yet" in text
+    text = _problems({"enabled": True}, sequence_parallel_size=2)
+    assert "compile.enabled with sequence_parallel_size = 2 is not supported yet" in text
 
 
 # -- equivalence and counts ---------------------------------------------------------------------
@@ -244,3 +247,34 @@ def test_a_unit_reading_another_units_parameters_stays_eager(tmp_path):
     assert list(report["eager_units"]) == ["blocks.1"]
     assert "blocks.0" in report["eager_units"]["blocks.1"] and report["units"] == 1
     _assert_params(params, ref.params)
+
+
+def _train_pipeline(rank: int, world_size: int) -> tuple:
+    import meshzero
+    from tests import test_mesh_parallel as mesh
+
+    factory, loss, batches, layout, _ = mesh.CASES["gpt"]
+    batches = batches()
+    cfg = zero_config(1, global_batch=mesh.GLOBAL_BATCH, grad_accum=2,
+                      pipeline_parallel={"size": 2, "schedule": "1f1b"},
+                      compile={"enabled": True, "backend": "aot_eager"})
+    engine, *_ = meshzero.initialize(model=factory(), config=cfg, loss_fn=loss,
+                                     example_inputs=batches[0][0][:mesh.GLOBAL_BATCH // 2],
+                                     pipeline_layout=layout)
+    mesh.train_steps(engine, batches, loss, 2)
+    return mesh._full_params(engine), engine.compile_report()
+
+
+@pytest.mark.slow
+def test_pipeline_stages_compile(tmp_path):
+    """pp = 2 (1F1B, 2 micro-batches), stage 1: each stage's blocks compile, 0 graph breaks,
+    and the model equals plain torch (tests/test_mesh_parallel.py's GPT case)."""
+    from tests import test_mesh_parallel as mesh
+
+    ref = mesh._reference("gpt", 2)
+    for params, report in run_distributed(_train_pipeline, 2, tmp_path, timeout=600):
+        assert report["units"] == 2 and report["graph_breaks"] == 0
+        assert report["frames"] == 1 and report["recompiles"] == 0
+        for name, want in ref.params.items():
+            if name in params:
+                torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6)

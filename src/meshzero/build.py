@@ -158,8 +158,7 @@ def _compiler(model: nn.Module, config: Config, topology: Topology,
               zero: ZeroModelState) -> UnitCompiler:
     """The units' compiler (meshzero/compile/); with ``compile.enabled`` it compiles now."""
     compiler = UnitCompiler(model, [u.path for u in zero.layout.units], sharder=zero.sharder,
-                            tp_size=topology.tp_size, pp_size=topology.pp_size,
-                            sp_size=topology.sp_size)
+                            tp_size=topology.tp_size, sp_size=topology.sp_size)
     if config.compile.enabled:
         compiler.compile(config.compile.backend, config.compile.kwargs)
     return compiler

@@ -56,12 +56,11 @@ class UnitCompiler:
     unit compiles again after the step it first compiled in."""
 
     def __init__(self, model: nn.Module, unit_paths: list[str], *,
-                 sharder: Sharder | None = None, tp_size: int = 1, pp_size: int = 1,
-                 sp_size: int = 1) -> None:
+                 sharder: Sharder | None = None, tp_size: int = 1, sp_size: int = 1) -> None:
         self.model = model
         self.unit_paths = unit_paths
         self.sharder = sharder
-        self.sizes = {"tp_size": tp_size, "pp_size": pp_size, "sp_size": sp_size}
+        self.sizes = {"tp_size": tp_size, "sp_size": sp_size}
         self.backend: str | Callable | None = None
         self.kwargs: dict[str, Any] = {}
         self.stats: dict[str, UnitStats] = {}
