@@ -20,10 +20,11 @@ guard on it changes, no recompile. Inside the traced region, ShardedParameter's
 ``__torch_function__`` skips its gather-on-use (``torch.compiler.is_compiling()``) and the
 saved-tensor hooks that regather views in backward are ``torch.compiler.disable``d (autograd
 calls them from the compiled graph; dynamo would otherwise compile each as a frame). Because a
-compiled forward cannot gather, each unit's first call after compiling runs eager at stage 3
-(at initialize: the first step, which records the gather order) and is checked: a forward
-that reads another unit's released parameters gathers it on use (``sticky``), and such a unit
-stays eager, with a WARNING.
+compiled forward cannot gather, at stage 3 the first step a unit runs in after compiling
+runs it eager (at initialize: the first step, which records the gather order; forward and
+any checkpoint recompute alike) and its first call is checked: a forward that reads another
+unit's released parameters gathers it on use (``sticky``), and such a unit stays eager, with
+a WARNING.
 
 **Counted**: the wrapper reads dynamo's own counters (frames, graph breaks, guard failures,
 compile time) before and after each unit call, so what compiled is attributed to the unit

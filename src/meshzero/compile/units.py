@@ -33,7 +33,7 @@ class UnitStats:
     index: int
     counts: Delta = field(default_factory=Delta)
     compiled_calls: int = 0
-    checked: bool = False  # stage 3: its first call ran eager, checked (_checked)
+    check: str = "todo"  # stage 3: "todo", "this step" (eager, checked), "done"
     settled: bool = False  # a step ended after its first compiled call: compiles now warn
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,9 +126,13 @@ class UnitCompiler:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if name in self.eager_units or self.profiling_active():
                 return eager(*args, **kwargs)
-            if self.sharder is not None and not stats.checked:  # stage 3: the first call
-                stats.checked = True  # runs eager, checked for reads of other units
-                return self._checked(name, index, self.sharder, eager, args, kwargs)
+            if self.sharder is not None and stats.check != "done":  # stage 3: the first
+                # step after compile runs eager (forward and any recompute in backward alike:
+                # a checkpoint must recompute what it saved), its first call checked
+                first, stats.check = stats.check == "todo", "this step"
+                if first:
+                    return self._checked(name, index, self.sharder, eager, args, kwargs)
+                return eager(*args, **kwargs)
             before = snapshot(code)
             out = compiled(module, *args, **kwargs)
             delta = since(before, code)
@@ -170,6 +174,8 @@ class UnitCompiler:
         for stats in self.stats.values():
             if stats.compiled_calls:
                 stats.settled = True
+            if stats.check == "this step":
+                stats.check = "done"
 
     def report(self) -> dict[str, Any]:
         """``engine.compile_report()``: dynamo's counts, in total and per unit."""
