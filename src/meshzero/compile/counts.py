@@ -30,7 +30,7 @@ def _frames() -> int:
     return len(compilation_time_metrics.get(_COMPILE_TIMER, ()))
 
 
-def snapshot(code: CodeType) -> Snapshot:
+def snapshot(code: CodeType | None) -> Snapshot:
     """Dynamo's counters now, ``code``'s guard failures among them (a few dict reads, ~5 us:
     cheap enough for every unit call)."""
     return Snapshot(_frames(), counters["stats"]["unique_graphs"],
@@ -60,7 +60,7 @@ class Delta:
         self.compile_seconds += other.compile_seconds
 
 
-def since(before: Snapshot, code: CodeType) -> Delta:
+def since(before: Snapshot, code: CodeType | None) -> Delta:
     """What dynamo compiled since ``before`` (nothing, on the hot path: two comparisons)."""
     if _frames() == before.frames and counters["graph_break"] == before.breaks:
         return Delta()
@@ -75,7 +75,7 @@ def since(before: Snapshot, code: CodeType) -> Delta:
     recompiles = now.failures - before.failures
     if recompiles > 0:  # the newest of the forward's guard failures
         reasons += ["recompile: " + r.splitlines()[0]
-                    for r in guard_failures[code][before.failures:]]
+                    for r in guard_failures.get(code, [])[before.failures:]]
     times = compilation_time_metrics.get(_COMPILE_TIMER, [])
     return Delta(frames=now.frames - before.frames, graphs=now.graphs - before.graphs,
                  graph_breaks=breaks, recompiles=max(recompiles, 0),

@@ -113,13 +113,14 @@ class UnitCompiler:
             compiled = shared[function]
             if checkpointed:  # the layer's own checkpointing runs eager around it
                 compiled = _checkpointing(compiled)
-            self._wrap(index, path or "<root>", module, compiled, function.__code__)
+            self._wrap(index, path or "<root>", module, compiled,
+                       getattr(function, "__code__", None))
         self.backend, self.kwargs = backend, dict(kwargs)
         logger.info("compile: %d unit forward(s) compiled with backend %r%s", len(self.stats),
                     backend, f" ({len(self.eager_units)} eager)" if self.eager_units else "")
 
     def _wrap(self, index: int, name: str, module: nn.Module, compiled: Callable,
-              code: CodeType) -> None:
+              code: CodeType | None) -> None:
         stats = self.stats[name] = UnitStats(index)
         eager = types.MethodType(type(module).forward, module)
 
