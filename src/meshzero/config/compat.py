@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshzero.config.auto import ModelFacts, is_auto, needs_model, resolve_auto
+from meshzero.config.unsupported import DEEPCOMPILE_DEFAULTS
 
 # DeepSpeed's other spellings of keys meshzero honours: dotted old -> dotted new, and whether
 # DeepSpeed itself calls the old one deprecated.
@@ -98,7 +99,6 @@ HINTS: dict[str, str] = {
                                 "torch.utils.checkpoint (same results, less memory)",
     "checkpoint": "DeepSpeed's checkpoint-engine options",
     "pipeline": "DeepSpeed's PipelineModule settings; meshzero's is pipeline_parallel",
-    "compile": "torch.compile does not change results",
     "dump_state": "DeepSpeed's debug print of its state",
     "sparse_attention": "it configures DeepSpeed's sparse attention modules, which a model "
                         "without them never reads",
@@ -132,6 +132,7 @@ NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "scheduler.params.last_batch_iteration": (-1,),
     "tensor_parallel.autotp_size": (0, 1),
     "bf16.bf16_master_weights_and_grads": (False,),
+    **{f"compile.{key}": (value,) for key, value in DEEPCOMPILE_DEFAULTS.items()},
 }
 # DeepSpeed's other spellings of values: dotted key -> {DeepSpeed's value: meshzero's}
 VALUE_ALIASES: dict[str, dict[str, str]] = {

@@ -49,12 +49,17 @@ class EngineProfiling:
         self.profiler: StepProfiler | None = None
         self.report: ProfileReport | None = None
         self.pending = False  # a report whose headline still waits for steps
+        engine.compiler.profiling_active = self.active  # compiled units run eager in P-1, P
 
     # -- the hot path: a mark per step; hooks only in steps P-1 (counting) and P (timed) ---------
     def _profiled(self, step: int) -> bool:
         """Step P, and P-1, which counts its FLOPs: neither enters a headline."""
         p = self.config.profile_step
         return self.config.enabled and p >= 0 and step in (p - 1, p)
+
+    def active(self) -> bool:
+        """Whether the FLOP-counting or the timed step is under way (its hooks are set)."""
+        return self.profiler is not None
 
     def open_step(self, step: int, args: tuple, kwargs: dict) -> None:
         self.clock.open()
@@ -87,7 +92,9 @@ class EngineProfiling:
         elif step == self.config.profile_step:
             t0 = time.perf_counter()
             report = self.profiler.finish(self.clock.steps[-1], self.clock)
-            self.report = replace(report, report_build_s=time.perf_counter() - t0)
+            compiled = self.engine.compile_report() if self.engine.is_compiled else None
+            self.report = replace(report, report_build_s=time.perf_counter() - t0,
+                                  compile=compiled)
             self.profiler = None
             self.pending = True
             self._headline(final=self._enough())
