@@ -11,6 +11,8 @@
 4. tensor-parallel replacement (the planned layers of what is left become tp slices)
 5. ZeRO state (shards the parameters that remain on this rank over its dp ranks)
 6. optimizer (over ZeRO's fp32 master fragments), scheduler, loss scaler
+7. compile (``compile.enabled``; later ``engine.compile()``): each leaf ZeRO unit's own forward,
+   after ZeRO, whose hooks stay eager around it (meshzero/compile/)
 
 The engine (``engine.py``) then only runs steps on what this returns.
 """
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshzero.comm import CommStats, Communicator, broadcast_module
+from meshzero.compile import UnitCompiler
 from meshzero.config import Config
 from meshzero.faults import check_ranks_agree
 from meshzero.optim import (
@@ -88,6 +91,7 @@ class Built:
     model_parallel_comms: list[Communicator]  # over tp and pp, for norms and overflow
     norm_weights: dict[int, float] | None  # id(param) -> weight in the global grad norm
     sequence: SequenceParallel | None = None  # Ulysses, when sequence_parallel_size > 1
+    compiler: UnitCompiler | None = None  # compiles the unit forwards (now or on request)
 
 
 def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
@@ -140,11 +144,18 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     if not zero.options.forward_only:
         opt, scheduler = _optimizer(model, config, zero, optimizer, model_parameters,
                                     lr_scheduler)
+    # 7. compile the units' forwards: their gather / release hooks (ZeRO's) stay eager around
+    compiler = UnitCompiler(model, [u.path for u in zero.layout.units], sharder=zero.sharder,
+                            tp_size=topology.tp_size, pp_size=topology.pp_size,
+                            sp_size=topology.sp_size)
+    if config.compile.enabled:
+        compiler.compile(config.compile.backend, config.compile.kwargs)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=scheduler,
                  loss_scaler=LossScaler.from_config(config.fp16),
                  model_parallel_comms=model_parallel_comms(topology, comms.stats),
-                 norm_weights=norm_weights(model, topology, pipe), sequence=sequence)
+                 norm_weights=norm_weights(model, topology, pipe), sequence=sequence,
+                 compiler=compiler)
 
 
 def _communicators(topology: Topology, config: Config) -> Comms:

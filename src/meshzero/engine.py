@@ -18,6 +18,7 @@ from meshzero.build import build
 from meshzero.checkpoint import StepCounters, TrainingState
 from meshzero.checkpoint.methods import CheckpointMethods
 from meshzero.comm import CommStats
+from meshzero.compile import CompileMethods
 from meshzero.config import Config, load_config
 from meshzero.config.load import log_accepted
 from meshzero.data import Repeating, micro_batch_from_data
@@ -57,7 +58,7 @@ def release(stats: CommStats, zero: ZeroModelState, block: bool) -> None:
                        "collective was never matched); they were not waited on", left)
 
 
-class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
+class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
     """Wraps the user's module; ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(
@@ -116,6 +117,9 @@ class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
         # an fp16 overflow, units stepped during backward by the cpu tier, or no step yet)
         self.last_grad_norm: float | None = None
         self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
+        assert built.compiler is not None  # build() makes one
+        self.compiler = built.compiler  # the unit forwards, compiled or not (compile/)
+        self.compiler.profiling_active = lambda p=self.profiling: p.profiler is not None
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
         self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)
@@ -301,6 +305,7 @@ class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
         self.zero.close_transfer_window()
         self._last_peak = self.zero.memory.peak
         self.profiling.close_step(self.global_steps - 1)
+        self.compiler.close_step()
         if self.global_steps % self.config.steps_per_print == 0:
             logger.info("step %d lr %s loss_scale %g", self.global_steps, self.get_lr(),
                         self.loss_scaler.scale)

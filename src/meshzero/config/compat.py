@@ -98,7 +98,6 @@ HINTS: dict[str, str] = {
                                 "torch.utils.checkpoint (same results, less memory)",
     "checkpoint": "DeepSpeed's checkpoint-engine options",
     "pipeline": "DeepSpeed's PipelineModule settings; meshzero's is pipeline_parallel",
-    "compile": "torch.compile does not change results",
     "dump_state": "DeepSpeed's debug print of its state",
     "sparse_attention": "it configures DeepSpeed's sparse attention modules, which a model "
                         "without them never reads",

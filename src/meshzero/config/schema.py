@@ -14,6 +14,7 @@ from meshzero.config.batch import (
     data_parallel_size,
     resolve_batch,
 )
+from meshzero.config.compile import CompileConfig, compile_problems
 from meshzero.config.errors import ConfigError
 from meshzero.config.faults import FaultsConfig
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
@@ -68,6 +69,7 @@ class Config(BaseModel):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)  # torch.compile per unit
     sequence_parallel_size: PosInt = 1  # Ulysses (config/sequence.py)
     seq_parallel_communication_data_type: SeqCommDtype | None = None
     dataloader_drop_last: Bool = False  # the loader initialize builds from training_data
@@ -103,7 +105,7 @@ class Config(BaseModel):
             problems.append(f"prescale_gradients is true and gradient_predivide_factor is "
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
-        problems += _mesh_problems(self) + sequence_problems(self)
+        problems += _mesh_problems(self) + sequence_problems(self) + compile_problems(self)
         problems += optimizer_problems(
             self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
             offload_optimizer=self.zero_optimization.offload_optimizer.device,

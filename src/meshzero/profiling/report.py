@@ -98,6 +98,9 @@ class ProfileReport:
     tokens_per_rank: int | None = None  # with sp > 1: tokens of this rank's last micro-batch
     top_modules: int = 1
     detailed: bool = True
+    # engine.compile_report() at the profiled step (None: not compiled); the profiled and
+    # counting steps run the units eager, the headline's steps compiled (compile/)
+    compile: dict[str, Any] | None = None
 
     @property
     def other_memory_bytes(self) -> int:
@@ -197,7 +200,7 @@ def summary_lines(r: ProfileReport) -> list[str]:
              _line("fwd / bwd / step / whole profiled step",
                    " / ".join(seconds(x) for x in (r.fwd_latency_s, r.bwd_latency_s,
                                                    r.step_latency_s, r.profiled_step_s)))]
-    lines += comm_lines(r) + transfer_lines(r) + memory_lines(r)
+    lines += comm_lines(r) + transfer_lines(r) + memory_lines(r) + compile_lines(r)
     for key, (lo, hi) in r.rank_min_max.items():
         lines.append(_line(f"min / max across ranks: {key}", f"{lo:.6g} / {hi:.6g}"))
     return lines
@@ -227,6 +230,16 @@ def transfer_lines(r: ProfileReport) -> list[str]:
                                                     else f"{k} {v}" for k, v in stats.items())
                   if isinstance(stats, dict) else str(stats))
             for direction, stats in (r.transfers or {}).items()]
+
+
+def compile_lines(r: ProfileReport) -> list[str]:
+    """engine.compile_report()'s totals, when the units are compiled."""
+    c = r.compile
+    if c is None:
+        return []
+    return [_line("compiled units", f"{c['units']} with backend {c['backend']!r}: "
+                  f"{c['graph_breaks']} graph breaks, {c['recompiles']} recompiles, "
+                  f"{seconds(c['compile_seconds'])} compiling (dynamo's counters)")]
 
 
 def comm_lines(r: ProfileReport) -> list[str]:

@@ -87,7 +87,9 @@ class EngineProfiling:
         elif step == self.config.profile_step:
             t0 = time.perf_counter()
             report = self.profiler.finish(self.clock.steps[-1], self.clock)
-            self.report = replace(report, report_build_s=time.perf_counter() - t0)
+            compiled = self.engine.compile_report() if self.engine.is_compiled else None
+            self.report = replace(report, report_build_s=time.perf_counter() - t0,
+                                  compile=compiled)
             self.profiler = None
             self.pending = True
             self._headline(final=self._enough())
