@@ -110,7 +110,7 @@ def meshzero_arm(spec, stage: int, compiled: bool, backend: str) -> Arm:
         engine.step()
         return loss
 
-    report = getattr(engine, "compile_report", None) if compiled else None
+    report = engine.compile_report if compiled else None
     return Arm(f"meshzero z{stage} {'compiled' if compiled else 'eager'}", step, engine.close,
                report)
 
