@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,21 @@ def _config(spec, stage: int, compiled: bool, backend: str, world: int) -> dict:
     return cfg
 
 
+def own_code(model: torch.nn.Module, tag: str) -> torch.nn.Module:
+    """``model`` with its blocks of a class of their own, whose ``forward`` is a copy of the
+    block's code: dynamo's cache lives on the code object, process-wide, so arms sharing
+    ``Block.forward`` would each fail the others' guards (a parameter's type differs at stage
+    3) and count a recompile that no single-engine run has."""
+    block_cls = type(model.blocks[0])
+    forward = block_cls.forward
+    copy = types.FunctionType(forward.__code__.replace(), forward.__globals__,
+                              f"{tag}_forward", forward.__defaults__, forward.__closure__)
+    cls = type(f"{block_cls.__name__}_{tag}", (block_cls,), {"forward": copy})
+    for block in model.blocks:
+        block.__class__ = cls
+    return model
+
+
 class Arm:
     """One way of training: ``step(x, y)`` runs forward, backward and the optimizer step and
     returns the loss."""
@@ -83,7 +99,7 @@ class Arm:
 
 
 def plain_arm(spec, device: torch.device, compiled: bool, backend: str) -> Arm:
-    model = build_model(spec, seed=0).to(device)
+    model = own_code(build_model(spec, seed=0), "plain").to(device)
     if compiled:
         for block in model.blocks:
             block.compile(backend=backend, fullgraph=True)
@@ -101,7 +117,7 @@ def plain_arm(spec, device: torch.device, compiled: bool, backend: str) -> Arm:
 
 def meshzero_arm(spec, stage: int, compiled: bool, backend: str) -> Arm:
     world = dist.get_world_size()
-    engine, *_ = meshzero.initialize(model=build_model(spec, seed=0),
+    engine, *_ = meshzero.initialize(model=own_code(build_model(spec, seed=0), f"z{stage}"),
                                      config=_config(spec, stage, compiled, backend, world))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,10 @@
 # pageable offload copy or d2h < 10 GB/s); profiler_truth (gpu_profiler_truth.py): a 1.24 B GPT
 # at ZeRO-3, the profiler's headline against an outside timer and the profiled step against the
 # median, both within 5 %. (Besides tests/test_offload_cuda.py, skipped without CUDA, the test
-# suite's distributed tests spawn gloo ranks on CPU: these are the CUDA tests.)
+# suite's distributed tests spawn gloo ranks on CPU: these are the CUDA tests.) Then compile
+# (benchmarks/compile.py, issue 35): a 117 M GPT (8 x 1024, fp32) plain eager / plain compiled
+# / meshzero eager / meshzero compiled at ZeRO-0 and 3 (inductor); fails if meshzero's compiled
+# step is slower than its eager one (its own 180 s, after the budget above).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,7 +35,7 @@ dry=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --dry-run or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -56,6 +59,15 @@ if [ "$dry" = 1 ]; then
 else
   echo "== checks on the GPU"
   timeout "$(left)" python benchmarks/gpu_check.py --device cuda || status=$?
+fi
+
+# torch.compile under ZeRO: the dry run only checks that the four arms run (dynamo's eager
+# backend, no C++ compile); on the GPU inductor and the rule
+if [ "$dry" = 1 ]; then
+  timeout 120 python benchmarks/compile.py --device cpu --tiny --backend eager --rule none \
+    --warmup 1 --steps 1 || status=$?
+else
+  timeout 180 python benchmarks/compile.py --device cuda || status=$?
 fi
 
 echo "== gpu_check.sh: exit $status after $(( $(date +%s) - start )) s"
