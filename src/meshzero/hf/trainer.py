@@ -201,7 +201,7 @@ class MeshzeroTrainer(Trainer):
         each unit and Accelerate never wraps the model or the engine in ``torch.compile``."""
         args = super()._build_accelerator_args(**kwargs)
         if "dynamo_plugin" in args:
-            from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+            from accelerate.utils import DynamoBackend, TorchDynamoPlugin  # type: ignore[import-untyped]
 
             args["dynamo_plugin"] = TorchDynamoPlugin(backend=DynamoBackend.NO)
         return args
