@@ -17,20 +17,21 @@ _COMPILE_TIMER = "_compile.compile_inner"  # dynamo's whole compile of one frame
 
 @dataclass(frozen=True)
 class Snapshot:
-    frames: int
+    frames: int  # frame compiles: dynamo times each (counters["frames"] skips fullgraph ones)
+    graphs: int
     breaks: dict[str, int]
     failures: int
-    compile_times: int
+
+
+def _frames() -> int:
+    return len(compilation_time_metrics.get(_COMPILE_TIMER, ()))
 
 
 def snapshot() -> Snapshot:
     """Dynamo's counters now (a few dict reads: cheap enough for every unit call)."""
-    return Snapshot(
-        frames=counters["frames"]["total"],
-        breaks=dict(counters["graph_break"]),
-        failures=sum(len(v) for v in guard_failures.values()),
-        compile_times=len(compilation_time_metrics.get(_COMPILE_TIMER, ())),
-    )
+    return Snapshot(frames=_frames(), graphs=counters["stats"]["unique_graphs"],
+                    breaks=dict(counters["graph_break"]),
+                    failures=sum(len(v) for v in guard_failures.values()))
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Delta:
     """What compiled between two snapshots."""
 
     frames: int = 0
+    graphs: int = 0
     graph_breaks: int = 0
     recompiles: int = 0
     compile_seconds: float = 0.0
@@ -49,6 +51,7 @@ class Delta:
 
     def add(self, other: Delta) -> None:
         self.frames += other.frames
+        self.graphs += other.graphs
         self.graph_breaks += other.graph_breaks
         self.recompiles += other.recompiles
         self.compile_seconds += other.compile_seconds
@@ -56,8 +59,7 @@ class Delta:
 
 def since(before: Snapshot) -> Delta:
     """What dynamo compiled since ``before`` (nothing, on the hot path: one comparison)."""
-    if counters["frames"]["total"] == before.frames and \
-            dict(counters["graph_break"]) == before.breaks:
+    if _frames() == before.frames and dict(counters["graph_break"]) == before.breaks:
         return Delta()
     now = snapshot()
     reasons = []
@@ -72,6 +74,6 @@ def since(before: Snapshot) -> Delta:
     if recompiles > 0:  # the newest failures (dicts keep insertion order per code object)
         reasons += ["recompile: " + r.splitlines()[0] for r in failures[-recompiles:]]
     times = compilation_time_metrics.get(_COMPILE_TIMER, [])
-    return Delta(frames=now.frames - before.frames, graph_breaks=breaks,
-                 recompiles=max(recompiles, 0),
-                 compile_seconds=float(sum(times[before.compile_times:])), reasons=reasons)
+    return Delta(frames=now.frames - before.frames, graphs=now.graphs - before.graphs,
+                 graph_breaks=breaks, recompiles=max(recompiles, 0),
+                 compile_seconds=float(sum(times[before.frames:])), reasons=reasons)

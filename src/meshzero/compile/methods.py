@@ -35,7 +35,8 @@ class CompileMethods:
 
     def compile_report(self) -> dict:
         """Dynamo's counts since compile, measured per unit call: ``backend``, ``units``
-        (compiled unit forwards), ``graph_breaks``, ``recompiles``, ``frames``,
-        ``compile_seconds``, ``eager_units`` ({unit: why it stays eager}) and ``per_unit``
-        ({unit: {graph_breaks, recompiles, frames, compile_seconds, compiled_calls}})."""
+        (compiled unit forwards), ``graph_breaks``, ``recompiles``, ``frames``
+        (frame compiles), ``graphs`` (FX graphs), ``compile_seconds``, ``eager_units`` ({unit:
+        why it stays eager}) and ``per_unit`` ({unit: {graph_breaks, recompiles, frames,
+        graphs, compile_seconds, compiled_calls}})."""
         return self.compiler.report()

@@ -38,7 +38,7 @@ class UnitStats:
     def as_dict(self) -> dict[str, Any]:
         c = self.counts
         return {"graph_breaks": c.graph_breaks, "recompiles": c.recompiles,
-                "frames": c.frames, "compile_seconds": c.compile_seconds,
+                "frames": c.frames, "graphs": c.graphs, "compile_seconds": c.compile_seconds,
                 "compiled_calls": self.compiled_calls}
 
 
@@ -143,14 +143,15 @@ class UnitCompiler:
         return out
 
     def _account(self, name: str, stats: UnitStats, delta: Delta) -> None:
+        """Add ``delta`` to the unit's counts; a break or recompile is a WARNING (a unit's
+        first compile is one frame: anything more defeats sharing one graph)."""
         stats.counts.add(delta)
-        if stats.settled and delta.reasons:
-            for reason in delta.reasons:
-                logger.warning("compile: unit %r compiled again after step %d: %s", name,
-                               self.steps - 1, reason)
-        elif stats.settled:
-            logger.warning("compile: unit %r compiled %d new frame(s) after step %d", name,
-                           delta.frames, self.steps - 1)
+        when = f"after step {self.steps - 1}" if stats.settled else "in its first compiled step"
+        for reason in delta.reasons:
+            logger.warning("compile: unit %r %s: %s", name, when, reason)
+        if stats.settled and not delta.reasons:
+            logger.warning("compile: unit %r compiled %d new frame(s) %s", name, delta.frames,
+                           when)
 
     def close_step(self) -> None:
         """The engine ended an optimizer step: a unit that ran compiled in it is settled."""
@@ -169,6 +170,7 @@ class UnitCompiler:
         return {"backend": backend, "kwargs": dict(self.kwargs),
                 "units": len(self.stats) - len(self.eager_units.keys() & self.stats.keys()),
                 "graph_breaks": total.graph_breaks, "recompiles": total.recompiles,
-                "frames": total.frames, "compile_seconds": total.compile_seconds,
+                "frames": total.frames, "graphs": total.graphs,
+                "compile_seconds": total.compile_seconds,
                 "eager_units": dict(self.eager_units),
                 "per_unit": {n: s.as_dict() for n, s in self.stats.items()}}
