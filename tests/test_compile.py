@@ -53,8 +53,11 @@ def test_deepcompile_fields_are_refused_unless_at_deepspeed_defaults():
     load_config({"train_batch_size": 2, "compile": {"deepcompile": False, "double_buffer": True,
                                                     "free_activation": False, "passes": None}})
     text = _problems({"deepcompile": True, "offload_activation": True})
-    assert "compile.deepcompile = true is a DeepCompile option" in text
-    assert "compile.offload_activation = true" in text and "engine.compile()" in text
+    assert "'compile.deepcompile' asks for a DeepSpeed feature" in text
+    assert "'compile.offload_activation'" in text and "a DeepCompile option" in text
+    assert "engine.compile()" in text
+    assert "compile.enabled and compile.disable are both true" in _problems(
+        {"enabled": True, "disable": True})
 
 
 def test_axolotl_disable_spelling_and_combinations():

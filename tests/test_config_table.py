@@ -30,7 +30,9 @@ def test_hint_and_noop_keys_load_and_refused_keys_do_not() -> None:
         load_config(_nested(key, False))
     for key in UNSUPPORTED_KEYS:
         try:
-            load_config(_nested(key, {"enabled": True} if "." not in key else True))
+            # a dotted key's True, or False where True is its no-op (DeepCompile's defaults)
+            on = NOOP_VALUES.get(key, ()) != (True,)
+            load_config(_nested(key, {"enabled": True} if "." not in key else on))
         except ValueError as exc:
             assert key in str(exc)
         else:

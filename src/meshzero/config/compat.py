@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshzero.config.auto import ModelFacts, is_auto, needs_model, resolve_auto
+from meshzero.config.unsupported import DEEPCOMPILE_DEFAULTS
 
 # DeepSpeed's other spellings of keys meshzero honours: dotted old -> dotted new, and whether
 # DeepSpeed itself calls the old one deprecated.
@@ -134,6 +135,7 @@ NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "scheduler.params.last_batch_iteration": (-1,),
     "tensor_parallel.autotp_size": (0, 1),
     "bf16.bf16_master_weights_and_grads": (False,),
+    **{f"compile.{key}": (value,) for key, value in DEEPCOMPILE_DEFAULTS.items()},
 }
 # DeepSpeed's other spellings of values: dotted key -> {DeepSpeed's value: meshzero's}
 VALUE_ALIASES: dict[str, dict[str, str]] = {

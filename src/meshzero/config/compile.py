@@ -6,11 +6,11 @@ Accelerate write) are honoured: ``enabled`` does at ``initialize`` what ``engine
 kwargs)`` does. ``disable`` (axolotl's configs write ``"disable": false``) is the opposite of
 ``enabled``. The other fields configure DeepCompile (DeepSpeed's `deepspeed/compile/config.py`
 `CompileConfig`), whose graph passes meshzero does not run: at DeepSpeed's default they ask for
-nothing and are accepted; any other value is refused with one line."""
+nothing and are dropped (config/compat.py); any other value is refused with one line
+(config/unsupported.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import field_validator, model_validator
@@ -24,22 +24,6 @@ if TYPE_CHECKING:
 # torch.compile's keyword arguments a unit's compile takes (its model and backend are ours)
 COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-# DeepCompile's fields: name -> DeepSpeed's default, the value that asks for nothing
-DEEPCOMPILE_DEFAULTS: dict[str, Any] = {
-    "deepcompile": False, "free_activation": False,
-    "free_activation_threshold": 10 * 1024 * 1024, "offload_activation": False,
-    "offload_activation_pin_memory": True, "offload_opt_states": False, "double_buffer": True,
-    "symmetric_memory": False, "debug_log": False, "offload_parameters": False,
-    "sync_before_reduce": False, "sync_after_reduce": False, "sync_before_allgather": False,
-    "sync_after_allgather": False, "keep_int_input_tensors": True,
-    "keep_all_input_tensors": False, "passes": None,
-}  # fmt: skip
-
-_DEEPCOMPILE = ("is a DeepCompile option; meshzero runs no DeepCompile pass: it compiles "
-                "each ZeRO unit's forward instead (compile.enabled: true, or engine.compile()); "
-                "remove the key")
-
 
 def known_backends() -> list[str]:
     """torch.compile's registered backend names (torch._dynamo.list_backends)."""
@@ -89,30 +73,12 @@ def kwargs_problems(kwargs: object) -> list[str]:
 class CompileConfig(Section):
     """`compile`: ``enabled`` compiles each ZeRO unit's forward at ``initialize`` with
     ``backend`` (a torch.compile backend name) and ``kwargs`` (torch.compile's fullgraph,
-    dynamic, mode, options); DeepCompile's fields are accepted at their defaults only."""
+    dynamic, mode, options)."""
 
     enabled: Bool = False
     disable: Bool = False  # axolotl's spelling: true never compiles
     backend: str = "inductor"
     kwargs: dict[str, Any] = {}
-    # DeepCompile (DeepSpeed's CompileConfig): refused unless at DeepSpeed's default
-    deepcompile: Any = False
-    free_activation: Any = False
-    free_activation_threshold: Any = 10 * 1024 * 1024
-    offload_activation: Any = False
-    offload_activation_pin_memory: Any = True
-    offload_opt_states: Any = False
-    double_buffer: Any = True
-    symmetric_memory: Any = False
-    debug_log: Any = False
-    offload_parameters: Any = False
-    sync_before_reduce: Any = False
-    sync_after_reduce: Any = False
-    sync_before_allgather: Any = False
-    sync_after_allgather: Any = False
-    keep_int_input_tensors: Any = True
-    keep_all_input_tensors: Any = False
-    passes: Any = None
 
     @field_validator("backend")
     @classmethod
@@ -128,13 +94,6 @@ class CompileConfig(Section):
         problems = kwargs_problems(value)
         if problems:
             raise InvalidValue("; ".join(problems))
-        return value
-
-    @field_validator(*DEEPCOMPILE_DEFAULTS)
-    @classmethod
-    def _deepcompile(cls, value: Any, info: Any) -> Any:
-        if value != DEEPCOMPILE_DEFAULTS[info.field_name]:
-            raise InvalidValue(_DEEPCOMPILE)
         return value
 
     @model_validator(mode="after")
@@ -168,4 +127,3 @@ def compile_problems(config: Config) -> list[str]:
                                 sp_size=config.sequence_parallel_size)
 
 
-Backend = str | Callable[..., Any]

@@ -19,6 +19,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "hybrid_engine": "RLHF hybrid engine",
     "sparse_gradients": "sparse gradients",
     "nebula": "Nebula checkpoint service",
+    # DeepCompile's fields (below; at DeepSpeed's default they ask for nothing)
     "zero_optimization.zero_quantized_weights": "ZeRO++ qwZ",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ qgZ",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
@@ -35,3 +36,19 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "expert_parallel": "AutoEP MoE expert parallelism",
     "comet": "the Comet ML monitor; use tensorboard, wandb or csv_monitor",
 }
+
+# DeepSpeed's DeepCompile options (deepspeed/compile/config.py, CompileConfig): key -> its
+# default, which config.compat drops; any other value is refused as UNSUPPORTED_KEYS says.
+DEEPCOMPILE_DEFAULTS: dict[str, object] = {
+    "deepcompile": False, "free_activation": False,
+    "free_activation_threshold": 10 * 1024 * 1024, "offload_activation": False,
+    "offload_activation_pin_memory": True, "offload_opt_states": False, "double_buffer": True,
+    "symmetric_memory": False, "debug_log": False, "offload_parameters": False,
+    "sync_before_reduce": False, "sync_after_reduce": False, "sync_before_allgather": False,
+    "sync_after_allgather": False, "keep_int_input_tensors": True,
+    "keep_all_input_tensors": False, "passes": None,
+}  # fmt: skip
+UNSUPPORTED_KEYS.update({
+    f"compile.{key}": "a DeepCompile option; meshzero runs no DeepCompile pass: it compiles "
+                      "each ZeRO unit's forward instead (compile.enabled, engine.compile())"
+    for key in DEEPCOMPILE_DEFAULTS})
