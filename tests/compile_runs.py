@@ -5,6 +5,7 @@ own counts (engine.compile_report()) after each step."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ def train_compiled(rank: int, world_size: int, configs: list[dict], *,
     for cfg in configs:
         torch._dynamo.reset()
         cfg = copy.deepcopy(cfg)
-        call = cfg.pop("_call", None)
+        call, probe = cfg.pop("_call", None), cfg.pop("_probe", False)
         engine, *_ = meshzero.initialize(model=build_gpt(checkpointed), config=cfg)
         refusals = []
         if call is not None:
@@ -105,8 +106,29 @@ def train_compiled(rank: int, world_size: int, configs: list[dict], *,
             reports.append(engine.compile_report())
         out.append({"params": engine.full_state_dict(), "losses": losses, "reports": reports,
                     "compiled": engine.is_compiled, "refusals": refusals})
+        if probe:
+            out[-1]["probe"] = _shorter_step(engine, rank, world_size)
+        if engine.last_profile is not None:  # the flops profiler's report, as printed
+            out[-1]["profile"] = (engine.last_profile.compile, str(engine.last_profile))
         engine.close()
     return out
+
+
+def _shorter_step(engine: Any, rank: int, world_size: int) -> dict:
+    """One more step on sequences one token shorter: dynamo recompiles the blocks (a size
+    guard); returns the WARNINGs meshzero logged and the report after."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("meshzero.compile.units")
+    log.addHandler(handler)
+    try:
+        x, y = split_for_rank(gpt_batches(engine.train_batch_size())[0], rank, world_size, 1, 0)
+        engine.backward(gpt_loss(engine(x[:, :-1]), y[:, :-1]))
+        engine.step()
+    finally:
+        log.removeHandler(handler)
+    return {"warnings": [r.getMessage() for r in records], "report": engine.compile_report()}
 
 
 def assert_compiled_once(reports: list[dict], units: int, first_step: int) -> None:

@@ -80,7 +80,8 @@ def test_compiled_units_equal_plain_torch_with_accumulation_and_clipping(tmp_pat
     compiled step (stage 3's first step runs eager: it records the gather order)."""
     gb, gas, clip = 8, 2, 0.05
     call = {"backend": "aot_eager", "compile_kwargs": {"fullgraph": True}}
-    configs = [compiled_config(0, global_batch=gb, grad_accum=gas, gradient_clipping=clip),
+    configs = [{**compiled_config(0, global_batch=gb, grad_accum=gas, gradient_clipping=clip),
+                "_probe": True},
                {**zero_config(2, global_batch=gb, grad_accum=gas, gradient_clipping=clip),
                 "_call": call},
                compiled_config(3, global_batch=gb, grad_accum=gas, gradient_clipping=clip)]
@@ -97,6 +98,17 @@ def test_compiled_units_equal_plain_torch_with_accumulation_and_clipping(tmp_pat
         assert "'fullgrap'" in errors[1] and "schedule is DeepCompile's" in errors[2]
         assert "compiled_autograd_enabled" in errors[3]
         assert rank_runs[1]["reports"][-1]["kwargs"] == {"fullgraph": True}
+        _assert_recompile_warned(rank_runs[0]["probe"])
+
+
+def _assert_recompile_warned(probe: dict) -> None:
+    """A step on shorter sequences after the first: dynamo recompiles the blocks' graph on a
+    size guard; meshzero counts it and logs one WARNING naming the unit and dynamo's reason."""
+    report = probe["report"]
+    assert report["recompiles"] == 1 and report["per_unit"]["blocks.0"]["recompiles"] == 1
+    assert len(probe["warnings"]) == 1, probe["warnings"]
+    text = probe["warnings"][0]
+    assert "unit 'blocks.0' after step" in text and "recompile" in text and "size" in text
 
 
 @pytest.mark.slow
@@ -150,3 +162,31 @@ def test_inductor_compiled_units_equal_plain_torch(tmp_path, stage):
         _assert_params(rank_runs[0]["params"], ref.params, rtol=1e-4, atol=1e-5)
         assert_compiled_once(rank_runs[0]["reports"], N_LAYER,
                              first_step=1 if stage == 3 else 0)
+
+
+@pytest.mark.slow
+def test_profiler_report_shows_the_compile_counts(tmp_path):
+    """flops_profiler at step 1: the counting step 0 and the timed step 1 run the units eager
+    (a dispatch mode and module marks); the report carries engine.compile_report()."""
+    cfg = compiled_config(0, global_batch=4, flops_profiler={
+        "enabled": True, "profile_step": 1, "headline_steps": 1})
+    run = run_distributed(train_compiled, 1, tmp_path, [cfg], timeout=300)[0][0]
+    _assert_params(run["params"], gpt_reference(4).params)
+    assert_compiled_once(run["reports"], N_LAYER, first_step=2)
+    assert [r["per_unit"]["blocks.0"]["compiled_calls"] for r in run["reports"]] == [0, 0, 1]
+    compiled, text = run["profile"]
+    assert compiled["units"] == N_LAYER and compiled["graph_breaks"] == 0
+    assert "compiled units" in text and "0 graph breaks" in text
+
+
+@pytest.mark.slow
+def test_offloaded_params_and_optimizer_compile(tmp_path):
+    """Stage 3 with parameters and optimizer states offloaded to host memory: the gathers
+    read host shards, eager, around the same compiled forwards."""
+    offload = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    cfg = compiled_config(3, global_batch=4, zero_optimization=offload)
+    runs = run_distributed(train_compiled, 2, tmp_path, [cfg], timeout=300)
+    ref = gpt_reference(4)
+    for rank_runs in runs:
+        _assert_params(rank_runs[0]["params"], ref.params)
+        assert_compiled_once(rank_runs[0]["reports"], N_LAYER, first_step=1)

@@ -119,7 +119,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
         assert built.compiler is not None  # build() makes one
         self.compiler = built.compiler  # the unit forwards, compiled or not (compile/)
-        self.compiler.profiling_active = lambda p=self.profiling: p.profiler is not None
+        self.compiler.profiling_active = self.profiling.active  # units run eager then
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
         self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)

@@ -56,6 +56,10 @@ class EngineProfiling:
         p = self.config.profile_step
         return self.config.enabled and p >= 0 and step in (p - 1, p)
 
+    def active(self) -> bool:
+        """Whether the FLOP-counting or the timed step is under way (its hooks are set)."""
+        return self.profiler is not None
+
     def open_step(self, step: int, args: tuple, kwargs: dict) -> None:
         self.clock.open()
         if not self._profiled(step):
