@@ -37,12 +37,12 @@ def _hf_config(kind: str):
     raise ValueError(kind)
 
 
-def _build(kind: str, checkpointed: bool = False):
+def _build(kind: str, reentrant: bool | None = None):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind))
-    if checkpointed:  # HF's own activation checkpointing (GradientCheckpointingLayer)
-        model.gradient_checkpointing_enable()
+    if reentrant is not None:  # HF's own activation checkpointing (GradientCheckpointingLayer)
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     return model
 
 
@@ -65,14 +65,14 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
 
 
 def _train(rank: int, world_size: int, kind: str, stages: list[int],
-           checkpointed: bool = False) -> list:
+           reentrant: bool | None = None) -> list:
     out = []
     micro = GLOBAL_BATCH // world_size
     for stage in stages:
         torch._dynamo.reset()
         cfg = zero_config(stage, global_batch=GLOBAL_BATCH, lr=LR,
                           compile={"enabled": True, "backend": "aot_eager"})
-        engine, *_ = meshzero.initialize(model=_build(kind, checkpointed),
+        engine, *_ = meshzero.initialize(model=_build(kind, reentrant),
                                          config=copy.deepcopy(cfg))
         reports = []
         for tokens in _batches():
@@ -114,9 +114,12 @@ def test_llama_compiled_at_world_sizes_1_and_4(tmp_path, world_size):
 
 
 @pytest.mark.slow
-def test_hf_gradient_checkpointing_compiled(tmp_path):
-    """model.gradient_checkpointing_enable(): HF's checkpoint wraps the layer's __call__,
-    around the compiled forward; the recompute in backward compiles nothing new."""
-    results = run_distributed(_train, 2, tmp_path, "llama", [0, 3], checkpointed=True,
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing_compiled(tmp_path, reentrant):
+    """model.gradient_checkpointing_enable(): transformers' layer wrapper checkpoints inside
+    ``forward``; meshzero runs that checkpoint eagerly around the compiled original forward
+    (compile/checkpointing.py), so no graph break, and the recompute in backward compiles
+    nothing new."""
+    results = run_distributed(_train, 2, tmp_path, "llama", [0, 3], reentrant=reentrant,
                               timeout=600)
     _check(results, _reference("llama"))

@@ -90,8 +90,8 @@ class Built:
     loss_scaler: LossScaler
     model_parallel_comms: list[Communicator]  # over tp and pp, for norms and overflow
     norm_weights: dict[int, float] | None  # id(param) -> weight in the global grad norm
+    compiler: UnitCompiler  # compiles the unit forwards (now or on engine.compile())
     sequence: SequenceParallel | None = None  # Ulysses, when sequence_parallel_size > 1
-    compiler: UnitCompiler | None = None  # compiles the unit forwards (now or on request)
 
 
 def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
@@ -145,17 +145,24 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
         opt, scheduler = _optimizer(model, config, zero, optimizer, model_parameters,
                                     lr_scheduler)
     # 7. compile the units' forwards: their gather / release hooks (ZeRO's) stay eager around
-    compiler = UnitCompiler(model, [u.path for u in zero.layout.units], sharder=zero.sharder,
-                            tp_size=topology.tp_size, pp_size=topology.pp_size,
-                            sp_size=topology.sp_size)
-    if config.compile.enabled:
-        compiler.compile(config.compile.backend, config.compile.kwargs)
+    compiler = _compiler(model, config, topology, zero)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=scheduler,
                  loss_scaler=LossScaler.from_config(config.fp16),
                  model_parallel_comms=model_parallel_comms(topology, comms.stats),
                  norm_weights=norm_weights(model, topology, pipe), sequence=sequence,
                  compiler=compiler)
+
+
+def _compiler(model: nn.Module, config: Config, topology: Topology,
+              zero: ZeroModelState) -> UnitCompiler:
+    """The units' compiler (meshzero/compile/); with ``compile.enabled`` it compiles now."""
+    compiler = UnitCompiler(model, [u.path for u in zero.layout.units], sharder=zero.sharder,
+                            tp_size=topology.tp_size, pp_size=topology.pp_size,
+                            sp_size=topology.sp_size)
+    if config.compile.enabled:
+        compiler.compile(config.compile.backend, config.compile.kwargs)
+    return compiler
 
 
 def _communicators(topology: Topology, config: Config) -> Comms:

@@ -116,10 +116,8 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         # the global grad norm (unscaled, before clipping) of the last applied step (None:
         # an fp16 overflow, units stepped during backward by the cpu tier, or no step yet)
         self.last_grad_norm: float | None = None
-        self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
-        assert built.compiler is not None  # build() makes one
         self.compiler = built.compiler  # the unit forwards, compiled or not (compile/)
-        self.compiler.profiling_active = self.profiling.active  # units run eager then
+        self.profiling = EngineProfiling(self)  # the step clock; flops_profiler's step
         # close(), `with engine:`, or this hook (when the engine is collected, or from
         # atexit while alive): nothing of ours busy at interpreter exit (docs/lifecycle.md)
         self._finalizer = weakref.finalize(self, release, self.comm_stats, self.zero, False)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from meshzero.compile.checkpointing import call_checkpointed, compiled_target
 from meshzero.compile.counts import Delta, since, snapshot
 from meshzero.config.compile import backend_problem, combination_problems, kwargs_problems
 
@@ -40,6 +41,13 @@ class UnitStats:
         return {"graph_breaks": c.graph_breaks, "recompiles": c.recompiles,
                 "frames": c.frames, "graphs": c.graphs, "compile_seconds": c.compile_seconds,
                 "compiled_calls": self.compiled_calls}
+
+
+def _checkpointing(compiled: Callable) -> Callable:
+    def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return call_checkpointed(module, compiled, args, kwargs)
+
+    return call
 
 
 class UnitCompiler:
@@ -100,10 +108,13 @@ class UnitCompiler:
             if "forward" in vars(module):  # an instance's own forward: left as it is
                 self.eager_units[path or "<root>"] = "its forward is an instance attribute"
                 continue
-            function = type(module).forward
+            function, checkpointed = compiled_target(type(module).forward)
             if function not in shared:
                 shared[function] = torch.compile(function, backend=backend, **kwargs)
-            self._wrap(index, path or "<root>", module, shared[function])
+            compiled = shared[function]
+            if checkpointed:  # the layer's own checkpointing runs eager around it
+                compiled = _checkpointing(compiled)
+            self._wrap(index, path or "<root>", module, compiled)
         self.backend, self.kwargs = backend, dict(kwargs)
         logger.info("compile: %d unit forward(s) compiled with backend %r%s", len(self.stats),
                     backend, f" ({len(self.eager_units)} eager)" if self.eager_units else "")

@@ -49,6 +49,7 @@ class EngineProfiling:
         self.profiler: StepProfiler | None = None
         self.report: ProfileReport | None = None
         self.pending = False  # a report whose headline still waits for steps
+        engine.compiler.profiling_active = self.active  # compiled units run eager in P-1, P
 
     # -- the hot path: a mark per step; hooks only in steps P-1 (counting) and P (timed) ---------
     def _profiled(self, step: int) -> bool:
