@@ -25,6 +25,14 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, columns padded to their widest cell."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True))
+                     + " |" for line in lines)
+
+
 def _comm_kinds(row: dict) -> dict | None:
     """Bytes per collective kind: meshzero's own report, the c10d counter for the others."""
     return row.get("own_comm") if row["system"] == "meshzero" else row.get("counted")

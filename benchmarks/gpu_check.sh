@@ -18,7 +18,10 @@
 # median, both within 5 %; quantized (gpu_quantized.py): ZeRO++ qwZ + qgZ at ZeRO-3 equal a
 # plain-torch replay with the same int8 weights and int4 gradients. (Besides
 # tests/test_offload_cuda.py, skipped without CUDA, the test suite's distributed tests spawn
-# gloo ranks on CPU: these are the CUDA tests.)
+# gloo ranks on CPU: these are the CUDA tests.) Then compile (benchmarks/compile.py, issue 35):
+# a 117 M GPT (8 x 1024, fp32) plain eager / plain compiled / meshzero eager / meshzero compiled
+# at ZeRO-0 and 3 (inductor); fails if meshzero's compiled step is slower than its eager one
+# (its own 180 s, after the budget above).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -58,6 +61,15 @@ if [ "$dry" = 1 ]; then
 else
   echo "== checks on the GPU"
   timeout "$(left)" python benchmarks/gpu_check.py --device cuda || status=$?
+fi
+
+# torch.compile under ZeRO: the dry run only checks that the four arms run (dynamo's eager
+# backend, no C++ compile); on the GPU inductor and the rule
+if [ "$dry" = 1 ]; then
+  timeout 120 python benchmarks/compile.py --device cpu --tiny --backend eager --rule none \
+    --warmup 1 --steps 1 || status=$?
+else
+  timeout 180 python benchmarks/compile.py --device cuda || status=$?
 fi
 
 echo "== gpu_check.sh: exit $status after $(( $(date +%s) - start )) s"

@@ -41,6 +41,9 @@ COVERED: dict[str, str] = {
     "python benchmarks/compare.py --model gpt --nproc 4 --systems meshzero,fsdp2,deepspeed "
     "--stages 3 --offload none --steps 5 --warmup 2 --bf16 --write-results":
         "not run: minutes-long, as above",
+    "python benchmarks/compile.py": "not run: minutes-long; its tiny form runs in "
+        "tests/test_benchmarks.py::test_gpu_check_dry_run_passes_on_cpu (gpu_check.sh)",
+    "python benchmarks/compile.py --world 2": "not run: minutes-long, as above",
     "bash benchmarks/gpu_check.sh": "not run: needs a GPU; its dry run is "
     "tests/test_benchmarks.py::test_gpu_check_dry_run_passes_on_cpu",
     "bash benchmarks/gpu_check.sh --dry-run":

@@ -16,6 +16,14 @@ DeepSpeed integration:
     fp16.enabled / bf16.enabled      fp16 / bf16
     zero_optimization buckets        hidden_size**2, 0.9 * hidden_size**2, 10 * hidden_size
 
+The Trainer's ``torch_compile`` arguments become the config's "compile" section
+(``resolve_compile``): the engine compiles each ZeRO unit, so the Trainer (Accelerate's
+dynamo plugin) never wraps the engine in a second ``torch.compile``:
+
+    compile.enabled                  torch_compile (or a torch_compile_backend / _mode given)
+    compile.backend                  torch_compile_backend ("inductor" unless given)
+    compile.kwargs.mode              torch_compile_mode (when given)
+
 Every other "auto" Hugging Face or Accelerate fill (Accelerate's
 stage3_gather_16bit_weights_on_model_save, the offload devices, ...) is left for
 ``load_config`` to fill with their defaults (meshzero.config.auto).
@@ -109,6 +117,53 @@ def resolve_auto(raw: dict[str, Any], values: Resolved) -> dict[str, Any]:
     if problems:
         raise ConfigError("\n".join(problems))
     return out
+
+
+def resolve_compile(raw: dict[str, Any], args: Any) -> dict[str, Any]:
+    """``raw`` with its "compile" section agreeing with the Trainer's ``torch_compile``,
+    ``torch_compile_backend`` and ``torch_compile_mode``: "auto" takes the argument, a missing
+    key is filled when the arguments turn compile on, a value that disagrees is an error
+    naming both (all of them in one error). With ``torch_compile`` off, a section that turns
+    compile on by itself is kept: the engine compiles, the Trainer does not."""
+    out = copy.deepcopy(raw)
+    on = bool(getattr(args, "torch_compile", False))
+    if "compile" not in out and not on:
+        return out
+    section = out.setdefault("compile", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key 'compile' must be an object, got {section!r}")
+    mode = getattr(args, "torch_compile_mode", None)
+    wanted = {"enabled": ("torch_compile", on),
+              "backend": ("torch_compile_backend",
+                          getattr(args, "torch_compile_backend", None) or "inductor")}
+    problems = [_agree(section, key, arg, value, fill=on) for key, (arg, value) in wanted.items()]
+    kwargs = section.get("kwargs")
+    if on and mode is not None:
+        kwargs = section.setdefault("kwargs", {}) if kwargs is None else kwargs
+    if isinstance(kwargs, dict):
+        problems.append(_agree(kwargs, "mode", "torch_compile_mode", mode,
+                               fill=on and mode is not None, prefix="kwargs."))
+    if errors := [p for p in problems if p]:
+        raise ConfigError("\n".join(errors))
+    return out
+
+
+def _agree(section: dict[str, Any], key: str, arg: str, value: Any, *, fill: bool,
+           prefix: str = "") -> str | None:
+    """Resolve ``section[key]`` against the argument ``arg`` = ``value``; a problem or None."""
+    given = section.get(key)
+    if isinstance(given, str) and given.strip().lower() == "auto":
+        if value is None:  # no mode given: leave the backend's default
+            del section[key]
+        else:
+            section[key] = value
+    elif key not in section:
+        if fill:
+            section[key] = value
+    elif fill and given != value:
+        return (f"config key 'compile.{prefix}{key}' = {given!r} disagrees with the Trainer's "
+                f"arguments ({arg} gives {value!r}); set it to \"auto\" or to the same value")
+    return None
 
 
 # filled when the config leaves them out (fp16/bf16 only when the arguments turn them on)

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 FROZEN_ATTRIBUTES = ("ref_model", "reward_model", "teacher_model")
 FROZEN_LISTS = ("reward_funcs",)  # GRPO: functions and models mixed
-DROPPED_KEYS = ("optimizer", "scheduler", "gradient_clipping")
+# compile too: a frozen model mostly generates, whose growing lengths would recompile
+DROPPED_KEYS = ("optimizer", "scheduler", "gradient_clipping", "compile")
 
 
 class FrozenModel(nn.Module):
@@ -53,8 +54,8 @@ class FrozenModel(nn.Module):
 
 
 def frozen_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """The run's resolved ds_config for a frozen model: stage 3, no optimizer, scheduler or
-    clipping, no optimizer offload (its parameter offload kept)."""
+    """The run's resolved ds_config for a frozen model: stage 3, no optimizer, scheduler,
+    clipping or compile, no optimizer offload (its parameter offload kept)."""
     cfg = {k: copy.deepcopy(v) for k, v in raw.items() if k not in DROPPED_KEYS}
     zero = dict(cfg.get("zero_optimization", {}))
     zero.pop("offload_optimizer", None)

@@ -12,6 +12,8 @@ their rotation); the engine takes the model, its gradients and the optimizer:
     _clip_grad_norm   the engine's pre-clip norm of the step, for the logs
     save_model        hf/save.py (collective): a PEFT adapter, or sharded safetensors + index
                       and config.json: what from_pretrained reads
+    torch_compile     the config's "compile" section (hf/config.py): the engine compiles
+                      each unit's forward; Accelerate's dynamo plugin is switched off
     ref_model ...     TRL's reference / reward models: ZeRO-3 engines without an optimizer
                       (hf/frozen.py); generate at stage 3 gathers once (hf/generation.py)
     checkpoint-N      the Trainer's files + the engine's sharded checkpoint in ``meshzero/``,
@@ -41,7 +43,7 @@ except ImportError as e:  # an extra: say which, rather than a bare ModuleNotFou
 
 import meshzero
 from meshzero.config import Config, ConfigError, load_config
-from meshzero.hf.config import argument_values, read_raw_config, resolve_auto
+from meshzero.hf.config import argument_values, read_raw_config, resolve_auto, resolve_compile
 from meshzero.hf.frozen import shard_frozen_models
 from meshzero.hf.generation import attach
 from meshzero.hf.save import save_pretrained
@@ -53,6 +55,7 @@ SUPPORTED_TRANSFORMERS = ">=5.17,<6"  # pyproject's hf extra; 5.17.0 and 5.25.0 
 # public hooks it uses (training_step, compute_loss, create_scheduler, save_model, ...) are
 # documented API. A release that drops or reshapes one fails at import, naming it.
 INTERNALS: dict[str, tuple[str, ...]] = {
+    "_build_accelerator_args": ("kwargs",),
     "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_save_optimizer_and_scheduler": ("output_dir",),
@@ -190,7 +193,18 @@ class MeshzeroTrainer(Trainer):
         values = argument_values(self.args, world_size=self.args.world_size,
                                  max_steps=max_steps, hidden_size=hidden,
                                  sequence_parallel=sp if isinstance(sp, int) else 1)
-        return resolve_auto(self.meshzero_raw_config, values)
+        return resolve_compile(resolve_auto(self.meshzero_raw_config, values), self.args)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's Accelerator arguments without its dynamo plugin: ``torch_compile``
+        went into the config's "compile" section (``resolve_compile``), so the engine compiles
+        each unit and Accelerate never wraps the model or the engine in ``torch.compile``."""
+        args = super()._build_accelerator_args(**kwargs)
+        if "dynamo_plugin" in args:
+            from accelerate.utils import DynamoBackend, TorchDynamoPlugin  # type: ignore[import-untyped]
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend=DynamoBackend.NO)
+        return args
 
     # -- building the engine (the Trainer's _prepare_for_training) -----------------------------
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
