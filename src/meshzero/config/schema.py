@@ -107,7 +107,8 @@ class Config(BaseModel):
         problems += optimizer_problems(
             self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
             offload_optimizer=self.zero_optimization.offload_optimizer.device,
-            bf16_states=self.bf16.bf16_optimizer_states)
+            bf16_states=self.bf16.bf16_optimizer_states, stage=self.zero_optimization.stage,
+            bf16_master=self.bf16.bf16_master_weights_and_grads)
         if problems:
             raise ValueError("\n".join(problems))
         return self

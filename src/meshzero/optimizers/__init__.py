@@ -7,9 +7,12 @@ it may build when torch's own cannot compute what the config asks:
              ``bias_correction`` switchable (torch's always corrects)
     lamb.py  LAMB (DeepSpeed's ``"Lamb"``): a per-parameter trust ratio from whole-parameter
              norms, summed over the fragments a parameter is cut into under ZeRO
+    onebit.py 1-bit Adam (DeepSpeed's ``"OneBitAdam"``): the momentum all-reduced in one
+             bit per element with error feedback after a warm-up (stage 0)
 """
 
 from meshzero.optimizers.adam import DeepSpeedAdam, adam_step
 from meshzero.optimizers.lamb import FragmentNorms, Lamb
+from meshzero.optimizers.onebit import OneBitAdam
 
-__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb", "adam_step"]
+__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb", "OneBitAdam", "adam_step"]

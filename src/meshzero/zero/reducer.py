@@ -61,6 +61,10 @@ class GradientReducer:
         self.inflight: deque[tuple[Handle, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
+        # stage 0, True: no all-reduce, each rank keeps its own gradient (scaled to read as
+        # the sum it stands for: the step's 1 / N then leaves it as it was); an optimizer
+        # that communicates something else sets it (1-bit Adam's momentum after warm-up)
+        self.local_gradients = False
         # True while units are stepped during backward: a group with any inf/nan is sent as
         # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
         self.spread_nonfinite = False
@@ -260,6 +264,11 @@ class GradientReducer:
             return
         for group in self.units[unit]:
             if not group.trainable:
+                continue
+            if self.local_gradients:
+                assert self.stage == 0, "local gradients are a stage-0 mode"
+                with torch.no_grad():
+                    group.grad_target().mul_(self.comm.size / self.predivide)
                 continue
             numel = group.layout.padded_numel
             while self.inflight and sum(n for *_, n in self.inflight) + numel > self.bucket_numel:
