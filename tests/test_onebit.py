@@ -27,6 +27,7 @@ import torch
 import meshzero
 from meshzero.comm.compressed import compressed_bytes, padded_numel
 from tests.distributed import run_distributed
+from tests.engine_runs import train
 from tests.models import build_model, make_batches, mlp_loss, split_for_rank
 
 STEPS, FREEZE, BATCH = 6, 3, 8
@@ -171,6 +172,8 @@ def test_onebit_adam_equals_plain_replay(tmp_path, world_size, dtype):
             sent = _bytes(report, "compressed_all_to_all") + _bytes(report,
                                                                     "compressed_all_gather")
             assert sent == (compressed_bytes(numel, n) if compressed else 0), (step, report)
+            flag = 2 * 4 * (n - 1) // n  # local gradients: one float agrees on inf/nan
+            assert _bytes(report, "nonfinite_check") == (flag if compressed else 0)
             full = 2 * (n - 1) * got["padded"] * size // n
             assert _bytes(report, "all_reduce") == (0 if compressed else full), (step, report)
 
@@ -206,3 +209,17 @@ def test_onebit_padding_matches_deepspeed():
         for numel in (1, 7, 8, 100, 2733):
             p = padded_numel(numel, n)
             assert p % unit == 0 and numel <= p < numel + unit
+
+
+def _train_fp16_overflow(rank: int, world_size: int) -> tuple[int, torch.Tensor]:
+    cfg = dict(config("fp32"), fp16={"enabled": True, "initial_scale_power": 8})
+    result = train(rank, world_size, "mlp", cfg, STEPS, overflow_step=FREEZE + 1)
+    return result.skipped_steps, torch.cat([t.reshape(-1) for t in result.params.values()])
+
+
+def test_onebit_inf_on_one_rank_skips_the_step_on_all(tmp_path):
+    """After the warm-up the gradients stay local, so an inf on rank 0 alone must still
+    skip the step on every rank (else rank 1 waits in the compressed all-reduce)."""
+    results = run_distributed(_train_fp16_overflow, 2, tmp_path, timeout=300)
+    assert [skipped for skipped, _ in results] == [1, 1]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)

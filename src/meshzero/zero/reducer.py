@@ -218,6 +218,8 @@ class GradientReducer:
             for u in self.order[self.next_pos:]:
                 self._launch(u)
             self.grads_are_zero = False
+            if self.local_gradients:
+                self._agree_nonfinite()
         self.drain()
         with torch.no_grad():
             for g, reduced in self._set_aside:
@@ -228,6 +230,22 @@ class GradientReducer:
         self.pool.clear()
         self._reset()
         self.in_backward = False
+
+    def _agree_nonfinite(self) -> None:
+        """Local gradients: an inf/nan on one rank is made every rank's (all NaN), so that
+        the step's check, which reads the local gradient at stage 0, skips the step on all
+        ranks alike (one 4-byte all-reduce, ``nonfinite_check``)."""
+        groups = [g for gs in self.units for g in gs if g.trainable and g.grad_full is not None]
+        with torch.no_grad():
+            flag = torch.zeros(1, device=groups[0].grad_full.device if groups else None)
+            for g in groups:
+                assert g.grad_full is not None
+                flag += (~torch.isfinite(g.grad_full)).any().float()
+            self.comm.all_reduce(flag, name="nonfinite_check").wait()
+            if flag.item() > 0:
+                for g in groups:
+                    assert g.grad_full is not None
+                    g.grad_full.fill_(float("nan"))
 
     def _finish_completed(self) -> None:
         """Finish the reductions at the head of the queue that are already done (no wait).
