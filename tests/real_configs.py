@@ -404,10 +404,6 @@ LOADS: dict[str, dict] = {
 REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
     "DeepSpeed-Chat get_train_ds_config(..., enable_mixed_precision_lora=True)": (
         ds_chat(3, "bf16", lora=True), ("zero_optimization.zero_quantized_nontrainable_weights",)),
-    "DeepSpeed docs onebit-adam tutorial": (
-        {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
-            "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},
-         "fp16": {"enabled": T}}, ("optimizer.type",)),
     "Megatron-DeepSpeed data_efficiency bert template (curriculum + random-ltd on)": (
         {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
          "zero_optimization": {"stage": 1, "allgather_bucket_size": "auto"},
@@ -432,11 +428,6 @@ REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
                                      "schedule_type": "fixed_linear", "schedule_config": {
                                          "require_steps": 400, "seq_per_step": 8}}}}}},
         ("data_efficiency",)),
-    "DeepSpeed docs progressive-layer-drop tutorial (PLD on, Adam)": (
-        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-         "fp16": {"enabled": T, "loss_scale": 0},
-         "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
-        ("progressive_layer_drop",)),
 }
 
 # AutoTP, loaded without the model (the plan is inferred at initialize): name -> config
@@ -481,3 +472,15 @@ AUTOTP = ("LLaMA-Factory examples/deepspeed/ds_z2_autotp_config.json", {
     "_comment": "supported model list: https://www.deepspeed.ai/tutorials/automatic-"
                 "tensor-parallelism/#supported-models", **LF_TOP,
     "zero_optimization": {"stage": 2, **LF_Z012}, "tensor_parallel": {"autotp_size": 2}})
+
+# issue 36: 1-bit Adam (stage 0) and progressive layer drop now load
+LOADS.update({
+    "DeepSpeed docs onebit-adam tutorial": {
+        "train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
+            "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},
+        "fp16": {"enabled": T}},
+    "DeepSpeed docs progressive-layer-drop tutorial (PLD on, Adam)": {
+        "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "fp16": {"enabled": T, "loss_scale": 0},
+        "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
+})

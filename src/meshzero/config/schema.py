@@ -33,6 +33,7 @@ from meshzero.config.precision import (
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
 from meshzero.config.sequence import SeqCommDtype, sequence_problems
+from meshzero.config.layer_drop import LayerDropConfig
 from meshzero.config.zero import ZeroConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -71,6 +72,7 @@ class Config(BaseModel):
     sequence_parallel_size: PosInt = 1  # Ulysses (config/sequence.py)
     seq_parallel_communication_data_type: SeqCommDtype | None = None
     dataloader_drop_last: Bool = False  # the loader initialize builds from training_data
+    progressive_layer_drop: LayerDropConfig = Field(default_factory=LayerDropConfig)
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())
@@ -104,6 +106,10 @@ class Config(BaseModel):
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
         problems += _mesh_problems(self) + sequence_problems(self)
+        if self.progressive_layer_drop.enabled and self.pipeline_parallel.size > 1:
+            problems.append("progressive_layer_drop.enabled with pipeline_parallel.size > 1 "
+                            "is not supported: pld_theta is passed to the model's forward, "
+                            "which the pipeline's stages call themselves")
         problems += optimizer_problems(
             self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
             offload_optimizer=self.zero_optimization.offload_optimizer.device,
