@@ -28,8 +28,8 @@ from meshzero.parallel.compose import count_p2p, stage_phase_hooks
 from meshzero.precision import autocast, cast_inputs
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
-from meshzero.schedulers import LayerDropSchedule, check_layer_drop_forward
 from meshzero.profiling.session import EngineProfiling
+from meshzero.schedulers import LayerDropSchedule
 from meshzero.topology import Topology
 from meshzero.zero.state import ZeroModelState
 
@@ -77,8 +77,7 @@ class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
         setup_logging()  # with $RANK (torchrun's) until the process group says
         self.config = config
         Monitor.check(config)  # a missing monitor package fails before any work
-        if config.progressive_layer_drop.enabled and isinstance(model, nn.Module):
-            check_layer_drop_forward(model)  # before any work, too
+        self.layer_drop = LayerDropSchedule.from_config(config.progressive_layer_drop, model)
         built = build(model, config, optimizer=optimizer, model_parameters=model_parameters,
                       lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                       pipeline_layout=pipeline_layout)
@@ -103,10 +102,6 @@ class Engine(AccumulationWindow, CheckpointMethods, nn.Module):
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.sequence_parallel = built.sequence  # Ulysses (parallel/sequence.py) or None
         self.counters = StepCounters()
-        pld = config.progressive_layer_drop  # theta passed to the forward (schedulers.py)
-        self.layer_drop = LayerDropSchedule(pld.theta, pld.gamma) if pld.enabled else None
-        if self.layer_drop is not None and not isinstance(model, nn.Module):
-            check_layer_drop_forward(self.module)  # a factory's model: once built
         self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.fp16.enabled,
                                comm=self.comm, model_parallel=self.model_parallel_comms,
                                rank=self.topology.rank,  # inf/nan gradients: faults/

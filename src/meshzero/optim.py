@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshzero.comm import Communicator
 from meshzero.config import OptimizerConfig
 from meshzero.config.precision import BF16Config
-from meshzero.comm import Communicator
 from meshzero.optimizers import DeepSpeedAdam, Lamb, OneBitAdam
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from meshzero.config import SchedulerConfig
+from meshzero.config.layer_drop import LayerDropConfig
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -221,6 +222,16 @@ class LayerDropSchedule:
     def __init__(self, theta: float, gamma: float):
         self.theta, self.gamma = theta, gamma
         self.current = 1.0
+
+    @classmethod
+    def from_config(cls, config: LayerDropConfig, model: object) -> "LayerDropSchedule | None":
+        """None unless enabled; ``model`` (an nn.Module; a factory's model is not checked
+        before it is built) must take the keywords."""
+        if not config.enabled:
+            return None
+        if isinstance(model, torch.nn.Module):
+            check_layer_drop_forward(model)
+        return cls(config.theta, config.gamma)
 
     def update(self, steps_taken: int) -> None:
         self.current = (1.0 - self.theta) * math.exp(-self.gamma * steps_taken) + self.theta

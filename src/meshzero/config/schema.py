@@ -16,6 +16,7 @@ from meshzero.config.batch import (
 )
 from meshzero.config.errors import ConfigError
 from meshzero.config.faults import FaultsConfig
+from meshzero.config.layer_drop import LayerDropConfig
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.monitor import (
     CommsLoggerConfig,
@@ -33,7 +34,6 @@ from meshzero.config.precision import (
 from meshzero.config.profiler import FlopsProfilerConfig
 from meshzero.config.scalars import Bool, NonNegFloat, NonNegInt, PosFloat, PosInt
 from meshzero.config.sequence import SeqCommDtype, sequence_problems
-from meshzero.config.layer_drop import LayerDropConfig
 from meshzero.config.zero import ZeroConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

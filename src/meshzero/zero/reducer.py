@@ -235,17 +235,16 @@ class GradientReducer:
         """Local gradients: an inf/nan on one rank is made every rank's (all NaN), so that
         the step's check, which reads the local gradient at stage 0, skips the step on all
         ranks alike (one 4-byte all-reduce, ``nonfinite_check``)."""
-        groups = [g for gs in self.units for g in gs if g.trainable and g.grad_full is not None]
+        grads = [g.grad_full for gs in self.units for g in gs
+                 if g.trainable and g.grad_full is not None]
         with torch.no_grad():
-            flag = torch.zeros(1, device=groups[0].grad_full.device if groups else None)
-            for g in groups:
-                assert g.grad_full is not None
-                flag += (~torch.isfinite(g.grad_full)).any().float()
+            flag = torch.zeros(1, device=grads[0].device if grads else None)
+            for grad in grads:
+                flag += (~torch.isfinite(grad)).any().float()
             self.comm.all_reduce(flag, name="nonfinite_check").wait()
             if flag.item() > 0:
-                for g in groups:
-                    assert g.grad_full is not None
-                    g.grad_full.fill_(float("nan"))
+                for grad in grads:
+                    grad.fill_(float("nan"))
 
     def _finish_completed(self) -> None:
         """Finish the reductions at the head of the queue that are already done (no wait).
