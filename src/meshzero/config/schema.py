@@ -303,13 +303,19 @@ def _mesh_problems(config: Config) -> list[str]:
 
 
 def _autocast_problems(config: Config) -> list[str]:
-    """torch_autocast computes in bf16 from fp32 parameters; fp16/bf16 training keeps 16-bit
-    parameters: one or the other, as in DeepSpeed."""
+    """torch_autocast runs the forward under torch.autocast(bf16): from fp32 parameters, or
+    with bf16.enabled from bf16 ones (DeepSpeed's bf16 + torch_autocast recipe: the ops
+    autocast lists as fp32, losses and reductions, then compute in fp32). fp16 parameters
+    under a bf16 autocast are not a DeepSpeed mode (its fp16 + autocast runs autocast in
+    fp16 with fp16 master weights)."""
     if not config.torch_autocast.enabled:
         return []
-    both = [f"{key}.enabled" for key in ("fp16", "bf16") if getattr(config, key).enabled]
-    problems = [f"torch_autocast.enabled and {key} are both true; enable one (torch_autocast "
-                "keeps fp32 parameters, fp16/bf16 make them 16-bit)" for key in both]
+    problems = []
+    if config.fp16.enabled:
+        problems.append("torch_autocast.enabled and fp16.enabled are both true: meshzero's "
+                        "autocast is bf16 and DeepSpeed's fp16 autocast needs fp16 master "
+                        "weights, which meshzero does not implement; use bf16.enabled (or "
+                        "torch_autocast alone)")
     if config.pipeline_parallel.size > 1:
         problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
                         "supported yet: the pipeline's stages run outside the autocast region")
