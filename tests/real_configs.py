@@ -483,4 +483,11 @@ LOADS.update({
         "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "fp16": {"enabled": T, "loss_scale": 0},
         "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
+    "DeepSpeed tests TestTorchAutocastWithPrecisionModes (bf16 + torch_autocast, stage 2)": {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "steps_per_print": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "torch_autocast": {"enabled": T, "dtype": "torch.bfloat16"},
+        "bf16": {"enabled": T, "bf16_master_weights_and_grads": T,
+                 "bf16_optimizer_states": T},
+        "zero_optimization": {"stage": 2}},
 })
