@@ -96,19 +96,16 @@ class LambParams(Section):
         return value
 
 
-class OneBitAdamParams(Section):
-    """DeepSpeed's "OneBitAdam" (meshzero/optimizers/onebit.py): Adam for ``freeze_step``
-    steps, then the momentum crosses the data-parallel group in 1 bit per element with error
-    feedback, and v is frozen. As in DeepSpeed, ``bias_correction``, ``eps_inside_sqrt``
-    and ``max_grad_norm`` are accepted and change nothing (its OnebitAdam never reads
-    them). ``comm_backend_name`` picks DeepSpeed's transport (NCCL, MPI, HCCL or its
-    compressed backend): meshzero's communicator over the data-parallel process group
-    carries every one of them (NCCL on GPUs, gloo on CPU), so all four mean the same here;
-    ``cuda_aware`` (an MPI build that sends device memory) changes nothing either: the
-    process group's backend sends device tensors as they are."""
+class _OneBitParams(Section):
+    """The params DeepSpeed's 1-bit optimizers share. As in DeepSpeed, ``bias_correction``,
+    ``eps_inside_sqrt`` and ``max_grad_norm`` are accepted and change nothing (its 1-bit
+    optimizers never read them). ``comm_backend_name`` picks DeepSpeed's transport (NCCL,
+    MPI, HCCL or its compressed backend): meshzero's communicator over the data-parallel
+    process group carries every one of them (NCCL on GPUs, gloo on CPU), so all four mean
+    the same here; ``cuda_aware`` (an MPI build that sends device memory) changes nothing
+    either: the process group's backend sends device tensors as they are."""
 
     lr: PosFloat = 1e-3
-    freeze_step: NonNegInt = 100000
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: PosFloat = 1e-8
     weight_decay: NonNegFloat = 0.0
@@ -120,16 +117,38 @@ class OneBitAdamParams(Section):
     comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = "nccl"
 
 
+class OneBitAdamParams(_OneBitParams):
+    """DeepSpeed's "OneBitAdam" (meshzero/optimizers/onebit.py): Adam for ``freeze_step``
+    steps, then the momentum crosses the data-parallel group in 1 bit per element with error
+    feedback, and v is frozen."""
+
+    freeze_step: NonNegInt = 100000
+
+
+class ZeroOneAdamParams(_OneBitParams):
+    """DeepSpeed's "ZeroOneAdam" (meshzero/optimizers/zeroone.py): v updated on steps
+    ``var_interval`` apart (doubling every ``var_update_scaler`` updates) until
+    ``var_freeze_step``, 1-bit gradients in between; then local steps synchronised in 1 bit
+    every ``local_step_interval`` steps (doubling every ``local_step_scaler`` steps, up to
+    ``local_step_clipper``)."""
+
+    var_freeze_step: NonNegInt = 100000
+    var_update_scaler: PosInt = 16
+    local_step_scaler: PosInt = 32678
+    local_step_clipper: PosInt = 16
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
     "SGD": SGDParams,
     "Lamb": LambParams,
     "OneBitAdam": OneBitAdamParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
 }
-ONE_BIT_OPTIMIZERS = ("OneBitAdam",)
+ONE_BIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "OneBitLamb", "ZeroOneAdam", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "OneBitLamb", "Lion", "Adagrad", "MuAdam", "MuAdamW",
     "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
 )  # fmt: skip
 

@@ -9,10 +9,13 @@ it may build when torch's own cannot compute what the config asks:
              norms, summed over the fragments a parameter is cut into under ZeRO
     onebit.py 1-bit Adam (DeepSpeed's ``"OneBitAdam"``): the momentum all-reduced in one
              bit per element with error feedback after a warm-up (stage 0)
+    zeroone.py 0/1 Adam (DeepSpeed's ``"ZeroOneAdam"``): rarer variance updates, 1-bit
+             gradients, then local steps synchronised in 1 bit (stage 0)
 """
 
 from meshzero.optimizers.adam import DeepSpeedAdam, adam_step
 from meshzero.optimizers.lamb import FragmentNorms, Lamb
 from meshzero.optimizers.onebit import OneBitAdam
+from meshzero.optimizers.zeroone import ZeroOneAdam
 
-__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb", "OneBitAdam", "adam_step"]
+__all__ = ["DeepSpeedAdam", "FragmentNorms", "Lamb", "OneBitAdam", "ZeroOneAdam", "adam_step"]

@@ -116,15 +116,22 @@ class OneBitAdam(torch.optim.Optimizer):
     def _average_momentum(self, index: int, params: list[torch.Tensor]) -> None:
         """The group's momenta, as one padded vector, through the 1-bit all-reduce."""
         assert self.comm is not None
-        flat = torch.cat([self.state[p]["exp_avg"].reshape(-1) for p in params])
-        numel, size = flat.numel(), self.comm.size
-        padded = padded_numel(numel, size)
-        if index not in self._errors:
-            self._errors[index] = ErrorFeedback.zeros(padded, size, flat.device)
-        x = F.pad(flat, (0, padded - numel))  # (P,)
-        compressed_all_reduce(self.comm, x, self._errors[index])
-        offset = 0
-        for p in params:
-            m = self.state[p]["exp_avg"]
-            m.copy_(x[offset:offset + m.numel()].view_as(m))
-            offset += m.numel()
+        one_bit_mean(self.comm, self._errors, index,
+                     [self.state[p]["exp_avg"] for p in params])
+
+
+def one_bit_mean(comm: Communicator, errors: dict[int, ErrorFeedback], key: int,
+                 tensors: list[torch.Tensor]) -> None:
+    """``tensors`` <- the 1-bit estimate of their mean over ``comm``'s ranks, compressed as
+    one padded vector with the error feedback ``errors[key]`` (made on first use)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    numel = flat.numel()
+    padded = padded_numel(numel, comm.size)
+    if key not in errors:
+        errors[key] = ErrorFeedback.zeros(padded, comm.size, flat.device)
+    x = F.pad(flat, (0, padded - numel))  # (P,)
+    compressed_all_reduce(comm, x, errors[key])
+    offset = 0
+    for t in tensors:
+        t.copy_(x[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
