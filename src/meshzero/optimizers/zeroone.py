@@ -127,7 +127,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                 s["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 s["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
         elif not frozen:
-            grads = [p.grad.clone() for p in params]
+            grads = [p.grad.clone() for p in params if p.grad is not None]
             if self._mean(index, grads):
                 for g, s in zip(grads, states, strict=True):
                     s["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
