@@ -109,7 +109,7 @@ def test_max_grad_norm_on_adam_warns_and_points_to_gradient_clipping() -> None:
 
 def test_refused_features_named_in_one_read() -> None:
     raw = {"train_batch_size": 8,
-           "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
+           "optimizer": {"type": "Lion", "params": {"lr": 1e-3}},
            "zero_optimization": {"zenflow": {"topk_ratio": 0.1}},
            "data_efficiency": {"enabled": True, "seed": 1234}}
     with pytest.raises(ConfigError) as info:

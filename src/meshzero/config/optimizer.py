@@ -138,6 +138,29 @@ class ZeroOneAdamParams(_OneBitParams):
     local_step_clipper: PosInt = 16
 
 
+class OneBitLambParams(_OneBitParams):
+    """DeepSpeed's "OneBitLamb" (meshzero/optimizers/onebit_lamb.py): LAMB for
+    ``freeze_step`` steps, its trust ratio averaged with ``coeff_beta``; then 1-bit
+    momentum and the frozen ratio times a factor in [factor_min, factor_max] that moves by
+    at most ``factor_threshold`` a step."""
+
+    freeze_step: NonNegInt = 100000
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    coeff_beta: Beta = 0.9
+    factor_max: PosFloat = 4.0
+    factor_min: PosFloat = 0.5
+    factor_threshold: NonNegFloat = 0.1
+
+    @field_validator("factor_min")
+    @classmethod
+    def _factors_ordered(cls, value: float, info: ValidationInfo) -> float:
+        top = info.data.get("factor_max", value)
+        if value > top:
+            raise InvalidValue(f"is greater than factor_max ({top})")
+        return value
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
@@ -145,10 +168,11 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Lamb": LambParams,
     "OneBitAdam": OneBitAdamParams,
     "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams,
 }
-ONE_BIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
+ONE_BIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "OneBitLamb", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "Lion", "Adagrad", "MuAdam", "MuAdamW",
     "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
 )  # fmt: skip
 
