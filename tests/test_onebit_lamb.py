@@ -78,7 +78,7 @@ class _Replay:
             self.p[i] = p - lr * c * u
 
     def compressed(self, grads: list[list[torch.Tensor]]) -> None:
-        (b1, b2), eps = PARAMS["betas"], PARAMS["eps"]
+        b1, b2 = PARAMS["betas"]
         last = [m.clone() for m in self.m]
         if self.scaling is None:
             scales = [float(torch.linalg.vector_norm(m)) / math.sqrt(m.numel()) for m in self.m]
