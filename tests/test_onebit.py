@@ -223,3 +223,13 @@ def test_onebit_inf_on_one_rank_skips_the_step_on_all(tmp_path):
     results = run_distributed(_train_fp16_overflow, 2, tmp_path, timeout=300)
     assert [skipped for skipped, _ in results] == [1, 1]
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def test_onebit_exp_avg_mask_refused():
+    """DeepSpeed's exp_avg_mask group key is not implemented: an error, not ignored."""
+    from meshzero.optimizers import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
+        with pytest.raises(ValueError, match="exp_avg_mask"):
+            cls([{"params": [p], "exp_avg_mask": torch.ones(3)}])

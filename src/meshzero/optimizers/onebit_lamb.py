@@ -33,7 +33,7 @@ import torch
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback
-from meshzero.optimizers.onebit import one_bit_mean
+from meshzero.optimizers.onebit import one_bit_mean, refuse_masks
 
 
 class OneBitLamb(torch.optim.Optimizer):
@@ -51,6 +51,7 @@ class OneBitLamb(torch.optim.Optimizer):
                         bias_correction=bias_correction, max_grad_norm=max_grad_norm,
                         max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
+        refuse_masks(self.param_groups, "OneBitLamb")
         self.freeze_step = freeze_step
         self.coeff_beta, self.factor_threshold = coeff_beta, factor_threshold
         self.factor_max, self.factor_min = factor_max, factor_min

@@ -31,7 +31,7 @@ import torch
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback
-from meshzero.optimizers.onebit import one_bit_mean
+from meshzero.optimizers.onebit import one_bit_mean, refuse_masks
 
 
 class ZeroOneAdam(torch.optim.Optimizer):
@@ -48,6 +48,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
+        refuse_masks(self.param_groups, "ZeroOneAdam")
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
