@@ -233,3 +233,38 @@ def test_onebit_exp_avg_mask_refused():
     for cls in (OneBitAdam, ZeroOneAdam, OneBitLamb):
         with pytest.raises(ValueError, match="exp_avg_mask"):
             cls([{"params": [p], "exp_avg_mask": torch.ones(3)}])
+
+
+def _save_and_resume(rank: int, world_size: int, path: str) -> tuple[bool, dict, dict]:
+    batches = make_batches("mlp", STEPS, BATCH)
+    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config("fp32"))
+    for batch in batches[:FREEZE + 1]:  # into the compressed phase
+        x, y = split_for_rank(batch, rank, world_size, 1, 0)
+        engine.backward(mlp_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(path, tag="t")
+    saved = engine.full_state_dict()
+    engine.close()
+    fresh, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config("fp32"))
+    fresh.load_checkpoint(path, tag="t")
+    local = fresh.zero.reducer.local_gradients
+    x, y = split_for_rank(batches[FREEZE + 1], rank, world_size, 1, 0)
+    fresh.backward(mlp_loss(fresh(x), y))
+    fresh.step()
+    report = fresh.comm_report()
+    state = fresh.full_state_dict()
+    fresh.close()
+    return local, report, {"saved": saved, "after": state}
+
+
+def test_onebit_checkpoint_resumes_in_the_compressed_phase(tmp_path):
+    """A checkpoint saved after the warm-up loads into the compressed phase: the gradients
+    stay local and the next step sends only the packed signs and scales."""
+    results = run_distributed(_save_and_resume, 2, tmp_path, str(tmp_path / "ckpt"))
+    numel = sum(t.numel() for t in results[0][2]["saved"].values())
+    for local, report, states in results:
+        assert local
+        sent = _bytes(report, "compressed_all_to_all") + _bytes(report, "compressed_all_gather")
+        assert sent == compressed_bytes(numel, 2) and _bytes(report, "all_reduce") == 0
+    for name, value in results[0][2]["after"].items():  # the ranks agree after the step
+        torch.testing.assert_close(results[1][2]["after"][name], value, rtol=0, atol=0)

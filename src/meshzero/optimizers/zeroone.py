@@ -79,6 +79,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """After a checkpoint load: the errors restart from zero (DeepSpeed drops them on
+        load too) and the engine's gradients follow the loaded step count."""
         self._errors.clear()
         self._keep_local(self.wants_local_gradients())
 
