@@ -5,7 +5,8 @@ the last 20 steps.
     torchrun --nproc-per-node 4 benchmarks/onebit_convergence.py [--steps 300]
 
 Prints, on rank 0, the loss every 50 steps and the final loss of each optimizer and its
-ratio to Adam's.
+ratio to Adam's. "Adam-nobc" is Adam without bias correction, the arithmetic the 1-bit
+optimizers' warm-up uses (DeepSpeed's never correct).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def run(kind: str, params: dict, steps: int, corpus: torch.Tensor) -> list[float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--freeze", type=int, default=None,
+                        help="warm-up steps (freeze_step, var_freeze_step); default steps / 10")
     args = parser.parse_args()
     corpus = load_corpus(500_000)
-    freeze = args.steps // 10
+    freeze = args.freeze if args.freeze is not None else args.steps // 10
     runs = {"Adam": ("Adam", {}),
+            "Adam-nobc": ("Adam", {"bias_correction": False}),
             "OneBitAdam": ("OneBitAdam", {"freeze_step": freeze}),
             "ZeroOneAdam": ("ZeroOneAdam", {"var_freeze_step": freeze,
                                             "var_update_scaler": 4,
