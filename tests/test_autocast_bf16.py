@@ -117,7 +117,11 @@ def _mean_diff(got: dict, want: dict) -> float:
     return sum(float((got[n] - w).abs().mean()) for n, w in want.items()) / len(want)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# W = 2 by default; every world size with -m slow
+@pytest.mark.parametrize("world_size", [
+    pytest.param(1, marks=pytest.mark.slow),
+    2,
+    pytest.param(4, marks=pytest.mark.slow)])
 def test_autocast_with_bf16_equals_plain_replay(tmp_path, world_size):
     want = reference(world_size, autocast=True)
     plain_bf16 = reference(world_size, autocast=False)

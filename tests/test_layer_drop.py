@@ -72,7 +72,11 @@ def _train(rank: int, world_size: int) -> tuple[dict, list]:
     return state, model.seen
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# W = 2 by default; every world size with -m slow
+@pytest.mark.parametrize("world_size", [
+    pytest.param(1, marks=pytest.mark.slow),
+    2,
+    pytest.param(4, marks=pytest.mark.slow)])
 def test_layer_drop_equals_plain_replay(tmp_path, world_size):
     ref = LayerDropNet()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4, foreach=False)

@@ -144,9 +144,15 @@ def _bytes(report: dict, op: str) -> int:
     return report.get(op, {}).get("bytes", 0)
 
 
+# W = 4 fp32 and W = 2 bf16 by default; the rest with -m slow
 @pytest.mark.parametrize("world_size,dtype", [
-    (1, "fp32"), (2, "fp32"), (4, "fp32"), (1, "bf16"), (2, "bf16"), (4, "bf16"),
-    (4, "bf16+fp32grads")])
+    pytest.param(1, "fp32", marks=pytest.mark.slow),
+    pytest.param(2, "fp32", marks=pytest.mark.slow),
+    (4, "fp32"),
+    pytest.param(1, "bf16", marks=pytest.mark.slow),
+    (2, "bf16"),
+    pytest.param(4, "bf16", marks=pytest.mark.slow),
+    pytest.param(4, "bf16+fp32grads", marks=pytest.mark.slow)])
 def test_onebit_adam_equals_plain_replay(tmp_path, world_size, dtype):
     """Every step's parameters, warm-up (steps 0-2) and compressed (3-5), at fp32 and bf16
     (whose stage 0 all-reduces bf16 gradients, as DeepSpeed's requires). A sign that flips
@@ -262,7 +268,7 @@ def test_onebit_checkpoint_resumes_in_the_compressed_phase(tmp_path):
     stay local and the next step sends only the packed signs and scales."""
     results = run_distributed(_save_and_resume, 2, tmp_path, str(tmp_path / "ckpt"))
     numel = sum(t.numel() for t in results[0][2]["saved"].values())
-    for local, report, states in results:
+    for local, report, _ in results:
         assert local
         sent = _bytes(report, "compressed_all_to_all") + _bytes(report, "compressed_all_gather")
         assert sent == compressed_bytes(numel, 2) and _bytes(report, "all_reduce") == 0

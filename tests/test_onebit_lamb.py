@@ -142,7 +142,11 @@ def _train(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[float]]
     return history, coeffs
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# W = 4 by default; every world size with -m slow
+@pytest.mark.parametrize("world_size", [
+    pytest.param(1, marks=pytest.mark.slow),
+    pytest.param(2, marks=pytest.mark.slow),
+    4])
 def test_onebit_lamb_equals_plain_replay(tmp_path, world_size):
     want, coeffs = reference(world_size)
     frozen = coeffs[-10:]
