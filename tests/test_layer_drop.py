@@ -94,3 +94,20 @@ def test_layer_drop_equals_plain_replay(tmp_path, world_size):
 def test_layer_drop_refuses_a_forward_without_the_keywords():
     with pytest.raises(ValueError, match="pld_theta"):
         meshzero.initialize(model=nn.Linear(7, 5), config=_config())
+
+
+def test_get_pld_theta_under_deepspeed_names():
+    """``DeepSpeedEngine.get_pld_theta`` (runtime/engine.py): the current theta."""
+    import meshzero.deepspeed as deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=LayerDropNet(), config=_config())
+    try:
+        assert engine.get_pld_theta() == 1.0
+        x, y = make_batches("mlp", 1, BATCH)[0]
+        engine.backward(mlp_loss(engine(x), y))
+        engine.step()
+        engine.backward(mlp_loss(engine(x), y))
+        engine.step()
+        assert engine.get_pld_theta() == pytest.approx(thetas()[2])
+    finally:
+        engine.close()
