@@ -405,10 +405,6 @@ LOADS: dict[str, dict] = {
 # name -> (config, the dotted keys the one error must name). Each would change what
 # training computes in a way meshzero cannot honour.
 REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
-    "DeepSpeed docs onebit-adam tutorial": (
-        {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
-            "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},
-         "fp16": {"enabled": T}}, ("optimizer.type",)),
     "Megatron-DeepSpeed data_efficiency bert template (curriculum + random-ltd on)": (
         {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
          "zero_optimization": {"stage": 1, "allgather_bucket_size": "auto"},
@@ -433,11 +429,6 @@ REFUSED: dict[str, tuple[dict, tuple[str, ...]]] = {
                                      "schedule_type": "fixed_linear", "schedule_config": {
                                          "require_steps": 400, "seq_per_step": 8}}}}}},
         ("data_efficiency",)),
-    "DeepSpeed docs progressive-layer-drop tutorial (PLD on, Adam)": (
-        {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-         "fp16": {"enabled": T, "loss_scale": 0},
-         "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
-        ("progressive_layer_drop",)),
 }
 
 # AutoTP, loaded without the model (the plan is inferred at initialize): name -> config
@@ -482,3 +473,22 @@ AUTOTP = ("LLaMA-Factory examples/deepspeed/ds_z2_autotp_config.json", {
     "_comment": "supported model list: https://www.deepspeed.ai/tutorials/automatic-"
                 "tensor-parallelism/#supported-models", **LF_TOP,
     "zero_optimization": {"stage": 2, **LF_Z012}, "tensor_parallel": {"autotp_size": 2}})
+
+# issue 36: 1-bit Adam (stage 0) and progressive layer drop now load
+LOADS.update({
+    "DeepSpeed docs onebit-adam tutorial": {
+        "train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
+            "lr": 4e-4, "freeze_step": 23000, "cuda_aware": F, "comm_backend_name": "nccl"}},
+        "fp16": {"enabled": T}},
+    "DeepSpeed docs progressive-layer-drop tutorial (PLD on, Adam)": {
+        "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "fp16": {"enabled": T, "loss_scale": 0},
+        "progressive_layer_drop": {"enabled": T, "theta": 0.5, "gamma": 0.001}},
+    "DeepSpeed tests TestTorchAutocastWithPrecisionModes (bf16 + torch_autocast, stage 2)": {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "steps_per_print": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "torch_autocast": {"enabled": T, "dtype": "torch.bfloat16"},
+        "bf16": {"enabled": T, "bf16_master_weights_and_grads": T,
+                 "bf16_optimizer_states": T},
+        "zero_optimization": {"stage": 2}},
+})

@@ -109,14 +109,14 @@ def test_max_grad_norm_on_adam_warns_and_points_to_gradient_clipping() -> None:
 
 def test_refused_features_named_in_one_read() -> None:
     raw = {"train_batch_size": 8,
-           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 100}},
-           "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001},
+           "optimizer": {"type": "Lion", "params": {"lr": 1e-3}},
+           "zero_optimization": {"zenflow": {"topk_ratio": 0.1}},
            "data_efficiency": {"enabled": True, "seed": 1234}}
     with pytest.raises(ConfigError) as info:
         load_config(raw)
     message = str(info.value)
     assert "(3 problems)" in message
-    for key in ("optimizer.type", "progressive_layer_drop", "data_efficiency"):
+    for key in ("optimizer.type", "zero_optimization.zenflow", "data_efficiency"):
         assert key in message
 
 

@@ -35,6 +35,7 @@ from meshzero.config import Config
 from meshzero.faults import check_ranks_agree
 from meshzero.optim import (
     bind_caller_optimizer,
+    bind_data_parallel,
     bind_to_shards,
     build_optimizer,
     check_forward_only,
@@ -145,7 +146,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     opt, scheduler = None, None
     if not zero.options.forward_only:
         opt, scheduler = _optimizer(model, config, zero, optimizer, model_parameters,
-                                    lr_scheduler)
+                                    lr_scheduler, comms)
     # 7. compile the units' forwards: their gather / release hooks (ZeRO's) stay eager around
     compiler = _compiler(model, config, topology, zero)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
@@ -260,7 +261,7 @@ def _check_pipeline_batches(config: Config, topology: Topology,
 
 
 def _optimizer(model: nn.Module, config: Config, zero: ZeroModelState, optimizer: Any,
-               model_parameters: Iterable[Any] | None, lr_scheduler: Any,
+               model_parameters: Iterable[Any] | None, lr_scheduler: Any, comms: Comms,
                ) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer over ZeRO's master fragments, attached to ``zero``, and the scheduler.
     A caller's optimizer instance is bound to it (optim.bind_caller_optimizer): the
@@ -272,6 +273,7 @@ def _optimizer(model: nn.Module, config: Config, zero: ZeroModelState, optimizer
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
         bf16=config.bf16)
     bind_to_shards(opt, zero.optim_state.fragment_norms)
+    bind_data_parallel(opt, comms.dp, zero.keep_gradients_local)
     zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
     if isinstance(optimizer, torch.optim.Optimizer):
         bind_caller_optimizer(optimizer, opt)

@@ -30,6 +30,7 @@ from meshzero.precision import autocast, cast_inputs
 from meshzero.profiling.monitor import Monitor, StepRecord, comm_events, comm_rows, step_events
 from meshzero.profiling.report import ProfileReport
 from meshzero.profiling.session import EngineProfiling
+from meshzero.schedulers import LayerDropSchedule
 from meshzero.topology import Topology
 from meshzero.zero.state import ZeroModelState
 
@@ -77,6 +78,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         setup_logging()  # with $RANK (torchrun's) until the process group says
         self.config = config
         Monitor.check(config)  # a missing monitor package fails before any work
+        self.layer_drop = LayerDropSchedule.from_config(config.progressive_layer_drop, model)
         built = build(model, config, optimizer=optimizer, model_parameters=model_parameters,
                       lr_scheduler=lr_scheduler, loss_fn=loss_fn, example_inputs=example_inputs,
                       pipeline_layout=pipeline_layout)
@@ -197,6 +199,8 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
             self.take_micro_batch(args, kwargs)
         if torch.is_grad_enabled():
             self._open_window(args, kwargs)
+        if self.layer_drop is not None and self.module.training:
+            kwargs = {**kwargs, **self.layer_drop.forward_kwargs()}
         self.comm_stats.phase = "forward"
         self.profiling.set_phase("forward")
         t0 = time.perf_counter()
@@ -244,6 +248,8 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return False
+        if self.layer_drop is not None:  # for the next forwards, skipped step or not
+            self.layer_drop.update(self.global_steps)
         if self.zero.start_step():  # phase check, I/O failures: before any other collective
             self.micro_steps -= self.grad_accum - 1  # the whole window is run again
             self.zero.refuse_lost_step()

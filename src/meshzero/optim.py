@@ -6,7 +6,7 @@ The user's choice of optimizer, in DeepSpeed's order of precedence:
     * an optimizer class or a callable ``f(param_groups) -> Optimizer``;
     * the config's ``optimizer`` block (Adam, AdamW, SGD, Lamb): torch.optim's classes, or
       meshzero.optimizers' where torch cannot compute it (LAMB; Adam with
-      ``bias_correction: false``).
+      ``bias_correction: false``; the 1-bit family).
 Each fragment lands in the param group of the parameter it came from. On CPU the fused
 kernels are requested explicitly (``fused=None`` never picks them on CPU).
 """
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshzero.comm import Communicator
 from meshzero.config import OptimizerConfig
 from meshzero.config.precision import BF16Config
-from meshzero.optimizers import DeepSpeedAdam, Lamb
+from meshzero.optimizers import DeepSpeedAdam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ def _from_config(cfg: OptimizerConfig, bf16: BF16Config | None = None,
         params["betas"] = tuple(params["betas"])
     if cfg.type == "Lamb":
         return Lamb, params
+    if cfg.type == "OneBitAdam":
+        return OneBitAdam, params
+    if cfg.type == "ZeroOneAdam":
+        return ZeroOneAdam, params
+    if cfg.type == "OneBitLamb":
+        return OneBitLamb, params
     if cfg.type == "SGD":
         return torch.optim.SGD, params
     # torch_adam (torch.optim whenever it can compute the config) asks for nothing more.
@@ -204,6 +211,15 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, fragment_norms: Callable[[]
     (``fragment_norms``: ZeRO's ``ShardedOptimizerState.fragment_norms``)."""
     if isinstance(optimizer, Lamb):
         optimizer.bind_fragments(fragment_norms())
+
+
+def bind_data_parallel(optimizer: torch.optim.Optimizer, comm: Communicator,
+                       keep_gradients_local: Callable[[bool], None]) -> None:
+    """An optimizer that communicates over the data-parallel group itself (the 1-bit
+    family's momentum) gets the communicator and the switch that leaves the gradients
+    unreduced (``GradientReducer.local_gradients``)."""
+    if isinstance(optimizer, OneBitAdam | ZeroOneAdam | OneBitLamb):
+        optimizer.bind(comm, keep_gradients_local)
 
 
 def check_forward_only(config: Any, lr_scheduler: Any, model_parameters: Any) -> None:

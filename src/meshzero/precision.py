@@ -76,7 +76,9 @@ class LossScaler:
 
 def autocast(enabled: bool, device: torch.device) -> AbstractContextManager[Any]:
     """``torch_autocast``: the forward under ``torch.autocast`` in bf16 (the one dtype the
-    config accepts); parameters, master and gradients stay fp32."""
+    config accepts). Alone, parameters, master and gradients stay fp32; with bf16.enabled
+    they are what bf16 makes them (bf16 parameters and gradients, the master as the bf16
+    keys say) and autocast runs the ops it lists as fp32 (losses, norms) in fp32."""
     if not enabled:
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)

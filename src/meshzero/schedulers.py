@@ -12,6 +12,7 @@ DeepSpeed). Every param group gets the schedule; state_dict and load_state_dict 
 `LRScheduler`.
 """
 
+import inspect
 import math
 
 import torch
@@ -19,6 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from meshzero.config import SchedulerConfig
+from meshzero.config.layer_drop import LayerDropConfig
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -209,3 +211,46 @@ def check_scheduler_object(lr_scheduler: object, client_optimizer: object) -> No
     if built_on is not client_optimizer:
         raise ValueError(f"lr_scheduler ({type(lr_scheduler).__name__}) was built on another "
                          "optimizer than the one passed as optimizer=: build it on that one")
+
+
+class LayerDropSchedule:
+    """Progressive layer drop's keep probability (``progressive_layer_drop``): 1.0 until
+    the first optimizer step, then ``(1 - theta) exp(-gamma t) + theta`` with t the steps
+    taken before the current one, the value DeepSpeed's engine sets on each accumulation
+    boundary before its optimizer step (``ProgressiveLayerDrop.update_state``)."""
+
+    def __init__(self, theta: float, gamma: float):
+        self.theta, self.gamma = theta, gamma
+        self.current = 1.0
+
+    @classmethod
+    def from_config(cls, config: LayerDropConfig, model: object) -> "LayerDropSchedule | None":
+        """None unless enabled; ``model`` (an nn.Module; a factory's model is not checked
+        before it is built) must take the keywords."""
+        if not config.enabled:
+            return None
+        if isinstance(model, torch.nn.Module):
+            check_layer_drop_forward(model)
+        return cls(config.theta, config.gamma)
+
+    def update(self, steps_taken: int) -> None:
+        self.current = (1.0 - self.theta) * math.exp(-self.gamma * steps_taken) + self.theta
+
+    def forward_kwargs(self) -> dict[str, object]:
+        """What a training forward receives: DeepSpeed's keyword names."""
+        return {"progressive_layer_drop": True, "pld_theta": self.current}
+
+
+def check_layer_drop_forward(module: torch.nn.Module) -> None:
+    """The model's forward must take the keywords progressive layer drop passes (DeepSpeed
+    passes them too, and a forward without them fails at its first call)."""
+    params = inspect.signature(module.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [k for k in ("progressive_layer_drop", "pld_theta") if k not in params]
+    if missing:
+        raise ValueError(
+            f"progressive_layer_drop.enabled: {type(module).__name__}.forward does not take "
+            f"the keyword(s) {missing} that every training forward then receives; add "
+            "'progressive_layer_drop=False, pld_theta=1.0' to its signature (and drop layers "
+            "with probability 1 - pld_theta), or disable progressive_layer_drop")

@@ -185,6 +185,9 @@ def load_optimizer(state: TrainingState, reader: CheckpointReader, saved: dict,
         values.update(saved["extra_state"].get(name, {}))
         if values:
             opt.state[leaf] = values
+    loaded = getattr(opt, "state_loaded", None)  # an optimizer whose mode follows its state
+    if callable(loaded):
+        loaded()
 
 
 def optimizer_files(state: TrainingState, reader: CheckpointReader, saved: dict,

@@ -2,7 +2,7 @@
 checked against that type's own model, so a misspelt param is an unknown key."""
 
 import builtins  # the sections' own ``type`` field shadows the builtin in their bodies
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -96,14 +96,83 @@ class LambParams(Section):
         return value
 
 
+class _OneBitParams(Section):
+    """The params DeepSpeed's 1-bit optimizers share. As in DeepSpeed, ``bias_correction``,
+    ``eps_inside_sqrt`` and ``max_grad_norm`` are accepted and change nothing (its 1-bit
+    optimizers never read them). ``comm_backend_name`` picks DeepSpeed's transport (NCCL,
+    MPI, HCCL or its compressed backend): meshzero's communicator over the data-parallel
+    process group carries every one of them (NCCL on GPUs, gloo on CPU), so all four mean
+    the same here; ``cuda_aware`` (an MPI build that sends device memory) changes nothing
+    either: the process group's backend sends device tensors as they are."""
+
+    lr: PosFloat = 1e-3
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    bias_correction: Bool = True
+    eps_inside_sqrt: Bool = False
+    max_grad_norm: NonNegFloat = 0.0
+    amsgrad: Literal[False] = False
+    cuda_aware: Bool = False
+    comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = "nccl"
+
+
+class OneBitAdamParams(_OneBitParams):
+    """DeepSpeed's "OneBitAdam" (meshzero/optimizers/onebit.py): Adam for ``freeze_step``
+    steps, then the momentum crosses the data-parallel group in 1 bit per element with error
+    feedback, and v is frozen."""
+
+    freeze_step: NonNegInt = 100000
+
+
+class ZeroOneAdamParams(_OneBitParams):
+    """DeepSpeed's "ZeroOneAdam" (meshzero/optimizers/zeroone.py): v updated on steps
+    ``var_interval`` apart (doubling every ``var_update_scaler`` updates) until
+    ``var_freeze_step``, 1-bit gradients in between; then local steps synchronised in 1 bit
+    every ``local_step_interval`` steps (doubling every ``local_step_scaler`` steps, up to
+    ``local_step_clipper``)."""
+
+    var_freeze_step: NonNegInt = 100000
+    var_update_scaler: PosInt = 16
+    local_step_scaler: PosInt = 32678
+    local_step_clipper: PosInt = 16
+
+
+class OneBitLambParams(_OneBitParams):
+    """DeepSpeed's "OneBitLamb" (meshzero/optimizers/onebit_lamb.py): LAMB for
+    ``freeze_step`` steps, its trust ratio averaged with ``coeff_beta``; then 1-bit
+    momentum and the frozen ratio times a factor in [factor_min, factor_max] that moves by
+    at most ``factor_threshold`` a step."""
+
+    freeze_step: NonNegInt = 100000
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    coeff_beta: Beta = 0.9
+    factor_max: PosFloat = 4.0
+    factor_min: PosFloat = 0.5
+    factor_threshold: NonNegFloat = 0.1
+
+    @field_validator("factor_min")
+    @classmethod
+    def _factors_ordered(cls, value: float, info: ValidationInfo) -> float:
+        top = info.data.get("factor_max", value)
+        if value > top:
+            raise InvalidValue(f"is greater than factor_max ({top})")
+        return value
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
     "SGD": SGDParams,
     "Lamb": LambParams,
+    "OneBitAdam": OneBitAdamParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams,
 }
+ONE_BIT_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lion", "Adagrad", "MuAdam", "MuAdamW",
+    "Lion", "Adagrad", "MuAdam", "MuAdamW",
     "MuSGD", "FusedAdam", "FusedLamb", "FusedLion", "CPUAdam", "CPUAdagrad", "CPULion", "Adafactor",
 )  # fmt: skip
 
@@ -207,10 +276,14 @@ class SchedulerConfig(_TypedSection):
 
 
 def optimizer_problems(optimizer: OptimizerConfig | None, *, tp_size: int, pp_size: int,
-                       offload_optimizer: str, bf16_states: bool = False) -> list[str]:
+                       offload_optimizer: str, bf16_states: bool = False,
+                       stage: int = 0, bf16_master: bool = False) -> list[str]:
     """What the chosen optimizer cannot run with. bf16 states are Adam's m and v. LAMB's
     trust ratio needs each parameter's whole norm: summed over ZeRO's shards, but not (yet)
     over tensor-parallel slices or pipeline stages, nor over NVMe tiles stepped apart."""
+    if optimizer is not None and optimizer.type in ONE_BIT_OPTIMIZERS:
+        return one_bit_problems(optimizer.type, stage=stage, tp_size=tp_size,
+                                pp_size=pp_size, bf16_master=bf16_master)
     if bf16_states and optimizer is not None and optimizer.type not in ("Adam", "AdamW"):
         return [f"bf16.bf16_optimizer_states with optimizer.type {optimizer.type!r} is not "
                 "supported: it keeps Adam's m and v in bf16; use type Adam or AdamW"]
@@ -234,3 +307,31 @@ def optimizer_problems(optimizer: OptimizerConfig | None, *, tp_size: int, pp_si
             "ratio needs whole-parameter norms, which meshzero sums over ZeRO shards only; "
             "use tensor_parallel.size 1, pipeline_parallel.size 1 and offload_optimizer "
             "'none' or 'cpu', or an Adam type"]
+
+
+def one_bit_problems(kind: str, *, stage: int, tp_size: int, pp_size: int,
+                     bf16_master: bool) -> list[str]:
+    """The 1-bit optimizers compress the momentum of whole parameters, every rank holding
+    all of it: ZeRO stage 0 only, as in DeepSpeed (its engine asserts ``not
+    zero_optimization()`` for them). From stage 1 on a rank holds the momentum of its
+    shard only, and stages 2-3 reduce-scatter the gradients, which after the warm-up must
+    stay on their rank."""
+    problems = []
+    if stage != 0:
+        problems.append(
+            f"optimizer.type {kind!r} with zero_optimization.stage {stage} is not supported: "
+            "it all-reduces each rank's whole momentum in 1 bit after the warm-up, which "
+            "needs the whole momentum and the unreduced gradient on every rank (ZeRO stage "
+            "0; DeepSpeed refuses it with ZeRO too); use zero_optimization.stage 0, or "
+            "type Adam with stage 1-3")
+    clashes = [f"{key} = {value}" for key, value in (
+        ("tensor_parallel.size", tp_size), ("pipeline_parallel.size", pp_size)) if value > 1]
+    if clashes:
+        problems.append(f"optimizer.type {kind!r} with {', '.join(clashes)} is not supported "
+                        "yet: it compresses over the data-parallel group of whole "
+                        "parameters; use sizes 1")
+    if bf16_master:
+        problems.append(f"optimizer.type {kind!r} with bf16.bf16_master_weights_and_grads "
+                        "is not supported: its momentum and error feedback are fp32; drop "
+                        "bf16_master_weights_and_grads")
+    return problems

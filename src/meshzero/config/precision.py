@@ -53,12 +53,15 @@ SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.
 
 
 class TorchAutocastConfig(Section):
-    """`torch_autocast` (DeepSpeed >= 0.16): fp32 parameters, master and gradients, the
-    forward run under ``torch.autocast(dtype)``. Only bfloat16 is accepted (fp16 autocast
-    needs loss scaling meshzero does not apply to it). lower_precision_safe_modules (dotted
-    class names) must import as nn.Module classes; DeepSpeed also reduces those modules'
-    gradients in the autocast dtype, meshzero reduces every gradient in
-    communication_data_type (fp32 by default): more bytes, no extra rounding."""
+    """`torch_autocast` (DeepSpeed >= 0.16): the forward run under ``torch.autocast(dtype)``,
+    from fp32 parameters, master and gradients, or with bf16.enabled from bf16 parameters
+    (bf16 gradients; the master and optimizer states as bf16's keys say). Only bfloat16 is
+    accepted (fp16 autocast needs loss scaling meshzero does not apply to it).
+    lower_precision_safe_modules (dotted class names) must import as nn.Module classes;
+    DeepSpeed also reduces those modules' gradients in the autocast dtype. Alone, meshzero
+    reduces every gradient in communication_data_type (fp32 by default): more bytes, no
+    extra rounding; with bf16.enabled every gradient is bf16 and reduced in bf16, as
+    DeepSpeed reduces them then."""
 
     enabled: Bool = False
     dtype: str = "bfloat16"

@@ -17,6 +17,7 @@ from meshzero.config.batch import (
 from meshzero.config.compile import CompileConfig, compile_problems
 from meshzero.config.errors import ConfigError
 from meshzero.config.faults import FaultsConfig
+from meshzero.config.layer_drop import LayerDropConfig
 from meshzero.config.mesh import PipelineParallelConfig, TensorParallelConfig, TopologyConfig
 from meshzero.config.monitor import (
     CommsLoggerConfig,
@@ -73,6 +74,7 @@ class Config(BaseModel):
     sequence_parallel_size: PosInt = 1  # Ulysses (config/sequence.py)
     seq_parallel_communication_data_type: SeqCommDtype | None = None
     dataloader_drop_last: Bool = False  # the loader initialize builds from training_data
+    progressive_layer_drop: LayerDropConfig = Field(default_factory=LayerDropConfig)
     # what load_config accepted without it changing results: the hint keys (one INFO line
     # at initialize) and the deprecated spellings it renamed
     _hints: tuple[str, ...] = PrivateAttr(default=())
@@ -106,10 +108,15 @@ class Config(BaseModel):
                             f"{self.gradient_predivide_factor}: both say where gradients are "
                             "divided; give one")
         problems += _mesh_problems(self) + sequence_problems(self) + compile_problems(self)
+        if self.progressive_layer_drop.enabled and self.pipeline_parallel.size > 1:
+            problems.append("progressive_layer_drop.enabled with pipeline_parallel.size > 1 "
+                            "is not supported: pld_theta is passed to the model's forward, "
+                            "which the pipeline's stages call themselves")
         problems += optimizer_problems(
             self.optimizer, tp_size=self.tensor_parallel.size, pp_size=self.pipeline_parallel.size,
             offload_optimizer=self.zero_optimization.offload_optimizer.device,
-            bf16_states=self.bf16.bf16_optimizer_states)
+            bf16_states=self.bf16.bf16_optimizer_states, stage=self.zero_optimization.stage,
+            bf16_master=self.bf16.bf16_master_weights_and_grads)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -307,13 +314,19 @@ def _mesh_problems(config: Config) -> list[str]:
 
 
 def _autocast_problems(config: Config) -> list[str]:
-    """torch_autocast computes in bf16 from fp32 parameters; fp16/bf16 training keeps 16-bit
-    parameters: one or the other, as in DeepSpeed."""
+    """torch_autocast runs the forward under torch.autocast(bf16): from fp32 parameters, or
+    with bf16.enabled from bf16 ones (DeepSpeed's bf16 + torch_autocast recipe: the ops
+    autocast lists as fp32, losses and reductions, then compute in fp32). fp16 parameters
+    under a bf16 autocast are not a DeepSpeed mode (its fp16 + autocast runs autocast in
+    fp16 with fp16 master weights)."""
     if not config.torch_autocast.enabled:
         return []
-    both = [f"{key}.enabled" for key in ("fp16", "bf16") if getattr(config, key).enabled]
-    problems = [f"torch_autocast.enabled and {key} are both true; enable one (torch_autocast "
-                "keeps fp32 parameters, fp16/bf16 make them 16-bit)" for key in both]
+    problems = []
+    if config.fp16.enabled:
+        problems.append("torch_autocast.enabled and fp16.enabled are both true: meshzero's "
+                        "autocast is bf16 and DeepSpeed's fp16 autocast needs fp16 master "
+                        "weights, which meshzero does not implement; use bf16.enabled (or "
+                        "torch_autocast alone)")
     if config.pipeline_parallel.size > 1:
         problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
                         "supported yet: the pipeline's stages run outside the autocast region")

@@ -14,7 +14,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "compression_training": "compression library",
     "data_efficiency": "data efficiency library (data sampling and routing)",
     "curriculum_learning": "curriculum learning",
-    "progressive_layer_drop": "progressive layer drop",
     "eigenvalue": "eigenvalue computation",
     "hybrid_engine": "RLHF hybrid engine",
     "sparse_gradients": "sparse gradients",

@@ -166,6 +166,11 @@ class DeepSpeedEngine(Engine):
         name = str(optimizer.type)
         return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZERS else name
 
+    def get_pld_theta(self) -> float | None:
+        """DeepSpeed's `DeepSpeedEngine.get_pld_theta`: progressive layer drop's current
+        keep probability, None when it is off."""
+        return None if self.layer_drop is None else self.layer_drop.current
+
     def get_batch_info(self) -> tuple[int, int, int]:
         """DeepSpeed's `DeepSpeedEngine.get_batch_info`: (global, per-rank micro, accumulation)."""
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),

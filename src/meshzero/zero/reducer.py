@@ -66,6 +66,10 @@ class GradientReducer:
         self.inflight: deque[tuple[Handle | TwoHops, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
+        # stage 0, True: no all-reduce, each rank keeps its own gradient (scaled to read as
+        # the sum it stands for: the step's 1 / N then leaves it as it was); an optimizer
+        # that communicates something else sets it (1-bit Adam's momentum after warm-up)
+        self.local_gradients = False
         # True while units are stepped during backward: a group with any inf/nan is sent as
         # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
         self.spread_nonfinite = False
@@ -219,6 +223,8 @@ class GradientReducer:
             for u in self.order[self.next_pos:]:
                 self._launch(u)
             self.grads_are_zero = False
+            if self.local_gradients:
+                self._agree_nonfinite()
         self.drain()
         with torch.no_grad():
             for g, reduced in self._set_aside:
@@ -229,6 +235,21 @@ class GradientReducer:
         self.pool.clear()
         self._reset()
         self.in_backward = False
+
+    def _agree_nonfinite(self) -> None:
+        """Local gradients: an inf/nan on one rank is made every rank's (all NaN), so that
+        the step's check, which reads the local gradient at stage 0, skips the step on all
+        ranks alike (one 4-byte all-reduce, ``nonfinite_check``)."""
+        grads = [g.grad_full for gs in self.units for g in gs
+                 if g.trainable and g.grad_full is not None]
+        with torch.no_grad():
+            flag = torch.zeros(1, device=grads[0].device if grads else None)
+            for grad in grads:
+                flag += (~torch.isfinite(grad)).any().float()
+            self.comm.all_reduce(flag, name="nonfinite_check").wait()
+            if flag.item() > 0:
+                for grad in grads:
+                    grad.fill_(float("nan"))
 
     def _finish_completed(self) -> None:
         """Finish the reductions at the head of the queue that are already done (no wait).
@@ -265,6 +286,11 @@ class GradientReducer:
             return
         for group in self.units[unit]:
             if not group.trainable:
+                continue
+            if self.local_gradients:
+                assert self.stage == 0, "local gradients are a stage-0 mode"
+                with torch.no_grad():
+                    group.grad_target().mul_(self.comm.size / self.predivide)
                 continue
             numel = group.layout.padded_numel
             while self.inflight and sum(n for *_, n in self.inflight) + numel > self.bucket_numel:

@@ -215,6 +215,12 @@ class ZeroModelState:
             if not g.trainable and any(s.name in wanted for s in g.layout.slots):
                 self._make_trainable(g)
 
+    def keep_gradients_local(self, on: bool) -> None:
+        """Stage 0: each rank keeps its own gradient instead of the all-reduced mean (an
+        optimizer that communicates its momentum instead: optimizers/onebit.py)."""
+        assert not on or self.options.stage == 0, "local gradients need stage 0"
+        self.reducer.local_gradients = on
+
     def finish_unit_steps(self) -> bool:
         """Wait for the unit steps of the last backward; True if it stepped everything."""
         return self.tier.finish_unit_steps()

@@ -1,0 +1,151 @@
+"""1-bit Adam (arXiv:2102.02888; DeepSpeed's ``"OneBitAdam"``): Adam whose momentum, not
+its gradient, crosses the data-parallel group after a warm-up, compressed to one bit per
+element with error feedback (comm/compressed.py).
+
+Computed as DeepSpeed's ``OnebitAdam.step`` (runtime/fp16/onebit/adam.py) computes it:
+
+* the first ``step()`` only creates the state (DeepSpeed's ``initialize`` pass): the step
+  count becomes 1 and nothing is updated;
+* warm-up (until the step count reaches ``freeze_step``): the engine all-reduces the
+  gradients as usual; ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``;
+* compression (after): the gradients stay on their rank (the engine is told through
+  ``keep_gradients_local``); ``m = b1 m + (1-b1) g_local``, then ``m`` is replaced by the
+  1-bit estimate of its mean over the ranks; ``v`` is frozen;
+* both: ``u = m / (sqrt(v) + eps) + weight_decay * p``; ``p -= lr * u``. There is no bias
+  correction (DeepSpeed accepts ``bias_correction`` and ignores it, as it does
+  ``eps_inside_sqrt`` and ``max_grad_norm``).
+
+The momentum of a param group is compressed as one vector (its fragments in order, padded),
+as DeepSpeed's fp16 and bf16 wrappers hand it one flat fp32 tensor per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from meshzero.comm.communicator import Communicator
+from meshzero.comm.compressed import ErrorFeedback, compressed_all_reduce, padded_numel
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True,
+                 eps_inside_sqrt: bool = False, max_grad_norm: float = 0.0,
+                 amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: str = "nccl"):
+        if amsgrad:
+            raise ValueError("1-bit Adam has no AMSGrad variant (amsgrad must be false)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        refuse_masks(self.param_groups, "OneBitAdam")
+        self.freeze_step = freeze_step
+        self.comm: Communicator | None = None  # the data-parallel group (bind)
+        self._keep_local: Callable[[bool], None] = lambda on: None
+        self._errors: dict[int, ErrorFeedback] = {}  # param group index -> its errors
+
+    @property
+    def initialized(self) -> bool:
+        """The state exists (DeepSpeed's first, state-only step has run)."""
+        return any(self.state.values())
+
+    @property
+    def compressing(self) -> bool:
+        """Past the warm-up: the momentum crosses the group in 1 bit per element. DeepSpeed
+        checks ``step >= freeze_step`` after each step but the first (state only): the
+        next step compresses."""
+        steps = [int(s["step"]) for s in self.state.values() if s]
+        return bool(steps) and max(steps) >= max(self.freeze_step, 2)
+
+    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None]) -> None:
+        """``comm``: the data-parallel communicator; ``keep_gradients_local(on)``: whether
+        the engine leaves each rank's gradient unreduced (True after the warm-up)."""
+        self.comm, self._keep_local = comm, keep_gradients_local
+        keep_gradients_local(self.compressing)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """After a checkpoint load: the errors restart from zero (DeepSpeed drops them on
+        load too) and the engine's gradients follow the loaded step count."""
+        self._errors.clear()
+        self._keep_local(self.compressing)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.initialized:  # DeepSpeed's first step: state only
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p].update(step=1, exp_avg=torch.zeros_like(p),
+                                             exp_avg_sq=torch.zeros_like(p))
+            return loss
+        compressing = self.compressing
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(index, group, params, compressing)
+        if not compressing and self.compressing:  # the warm-up ended with this step
+            self._keep_local(True)
+        return loss
+
+    def _step_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor],
+                    compressing: bool) -> None:
+        beta1, beta2 = group["betas"]
+        for p in params:
+            state = self.state[p]
+            state["step"] += 1
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            if not compressing:  # v is frozen after the warm-up
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        if compressing and self.comm is not None and self.comm.size > 1:
+            self._average_momentum(index, params)
+        for p in params:
+            state = self.state[p]
+            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            if group["weight_decay"] > 0.0:
+                update += group["weight_decay"] * p
+            p.add_(update.mul_(-group["lr"]))
+
+    def _average_momentum(self, index: int, params: list[torch.Tensor]) -> None:
+        """The group's momenta, as one padded vector, through the 1-bit all-reduce."""
+        assert self.comm is not None
+        one_bit_mean(self.comm, self._errors, index,
+                     [self.state[p]["exp_avg"] for p in params])
+
+
+def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
+    """DeepSpeed's ``exp_avg_mask`` param-group key (momentum elements zeroed after the
+    compression, e.g. embedding rows no batch reaches) is not implemented: refused, not
+    ignored."""
+    if any("exp_avg_mask" in g for g in param_groups):
+        raise ValueError(f"{name}: the param-group key 'exp_avg_mask' is not supported yet "
+                         "(meshzero compresses the whole momentum); drop it from the group")
+
+
+def one_bit_mean(comm: Communicator, errors: dict[int, ErrorFeedback], key: int,
+                 tensors: list[torch.Tensor]) -> None:
+    """``tensors`` <- the 1-bit estimate of their mean over ``comm``'s ranks, compressed as
+    one padded vector with the error feedback ``errors[key]`` (made on first use)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    numel = flat.numel()
+    padded = padded_numel(numel, comm.size)
+    if key not in errors:
+        errors[key] = ErrorFeedback.zeros(padded, comm.size, flat.device)
+    x = F.pad(flat, (0, padded - numel))  # (P,)
+    compressed_all_reduce(comm, x, errors[key])
+    offset = 0
+    for t in tensors:
+        t.copy_(x[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
