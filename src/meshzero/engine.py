@@ -93,11 +93,8 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         self.comm_stats.group_holders += [h for h in (built.topology, built.pipeline) if h]
         self.dp_comm = built.comms.dp
         self.comm, self.replica_comm = built.comms.shard, built.comms.replica
-        self.module = built.module
-        self.pipeline = built.pipeline
-        self.zero = built.zero
-        self.optimizer = built.optimizer
-        self.lr_scheduler = built.lr_scheduler
+        self.module, self.pipeline, self.zero = built.module, built.pipeline, built.zero
+        self.optimizer, self.lr_scheduler = built.optimizer, built.lr_scheduler
         self.loss_scaler = built.loss_scaler
         self.model_parallel_comms = built.model_parallel_comms  # tp and pp, for norms
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm

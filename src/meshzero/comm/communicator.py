@@ -208,20 +208,6 @@ class Communicator:
 
         return self._launch(name, nbytes, run, tensor)
 
-    def all_to_all(self, output: torch.Tensor, send: torch.Tensor,
-                   op: str = "all_to_all") -> Handle:
-        """``output`` (N*C,) <- chunk r of every rank's ``send`` (N*C,), rank by rank; this
-        rank sends all but its own chunk: ``B (N-1)/N`` bytes. Counted under ``op``."""
-        nbytes = ring_bytes("all_to_all", tensor_bytes(send), self.size)
-
-        def run(group):
-            if group is None:
-                output.copy_(send)
-                return None
-            return dist.all_to_all_single(output, send, group=group, async_op=True)
-
-        return self._launch(op, nbytes, run, output, send)
-
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         """``tensor`` <- global rank ``src``'s ``tensor``."""
         def run(group):

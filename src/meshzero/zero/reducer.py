@@ -66,9 +66,8 @@ class GradientReducer:
         self.inflight: deque[tuple[Handle | TwoHops, Callable[[], object], int]] = deque()
         self.grads_are_zero = True
         self.enabled = True  # False: leave gradients in param.grad (a pipeline schedule)
-        # stage 0, True: no all-reduce, each rank keeps its own gradient (scaled to read as
-        # the sum it stands for: the step's 1 / N then leaves it as it was); an optimizer
-        # that communicates something else sets it (1-bit Adam's momentum after warm-up)
+        # stage 0, True: each rank keeps its own gradient, scaled to read as the sum (the
+        # step's 1 / N undoes it), for an optimizer that sends its momentum instead (1-bit)
         self.local_gradients = False
         # True while units are stepped during backward: a group with any inf/nan is sent as
         # all NaN, so every rank's shard of it shows the fault (faults/nonfinite.py)
@@ -79,10 +78,7 @@ class GradientReducer:
         self._add_to_reduced: set[int] = set()
         # stages 2-3: a unit's transient gradient buffer goes back to the pool once reduced,
         # for the next unit of the same size (fewer fresh pages per step)
-        self.pool = TransientPool()
-        for groups in units:
-            for g in groups:
-                g.transient_pool = self.pool
+        self.pool = _shared_pool(units)
         self._reset()
         self._hooks: list = []
         # (unit, group, index) of trainable parameters not hooked yet: torch hooks only a
@@ -344,3 +340,12 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _shared_pool(units: list[list[FlatGroup]]) -> TransientPool:
+    """One pool of transient gradient buffers that every group of ``units`` draws from."""
+    pool = TransientPool()
+    for groups in units:
+        for g in groups:
+            g.transient_pool = pool
+    return pool
