@@ -123,3 +123,18 @@ def test_hf_gradient_checkpointing_compiled(tmp_path, reentrant):
     results = run_distributed(_train, 2, tmp_path, "llama", [0, 3], reentrant=reentrant,
                               timeout=600)
     _check(results, _reference("llama"))
+
+
+def test_use_cache_is_warned_at_compile(caplog):
+    """A transformers model with config.use_cache true: one WARNING when the units compile
+    (no forward needed), since every layer would compile its own graph."""
+    from meshzero.compile import UnitCompiler
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, use_cache=True))
+    compiler = UnitCompiler(model, ["", "model.layers.0", "model.layers.1"])
+    with caplog.at_level("WARNING", logger="meshzero.compile.units"):
+        compiler.compile("eager")
+    assert compiler.report()["units"] == 2
+    assert any("use_cache" in r.getMessage() for r in caplog.records)

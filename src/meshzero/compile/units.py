@@ -116,6 +116,11 @@ class UnitCompiler:
             self._wrap(index, path or "<root>", module, compiled,
                        getattr(function, "__code__", None))
         self.backend, self.kwargs = backend, dict(kwargs)
+        if getattr(getattr(self.model, "config", None), "use_cache", False) is True:
+            logger.warning("compile: the model's config.use_cache is true: a transformers "
+                           "cache is indexed by each layer's layer_idx, so every decoder layer "
+                           "compiles a graph of its own (and past torch._dynamo's recompile "
+                           "limit runs eager); set model.config.use_cache = False for training")
         logger.info("compile: %d unit forward(s) compiled with backend %r%s", len(self.stats),
                     backend, f" ({len(self.eager_units)} eager)" if self.eager_units else "")
 
