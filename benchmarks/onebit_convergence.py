@@ -3,15 +3,18 @@ the 1-bit optimizers run at): the same seed, data and learning rate, the loss av
 the last 20 steps.
 
     torchrun --nproc-per-node 4 benchmarks/onebit_convergence.py [--steps 300]
+        [--freeze N] [--runs Adam,OneBitAdam,...]
 
 Prints, on rank 0, the loss every 50 steps and the final loss of each optimizer and its
 ratio to Adam's. "Adam-nobc" is Adam without bias correction, the arithmetic the 1-bit
-optimizers' warm-up uses (DeepSpeed's never correct).
+optimizers' warm-up uses (DeepSpeed's never correct); "OneBitAdam-nocomp" is OneBitAdam
+with freeze_step = steps, i.e. the same optimizer never compressing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -49,27 +52,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--freeze", type=int, default=None,
                         help="warm-up steps (freeze_step, var_freeze_step); default steps / 10")
+    parser.add_argument("--curves", default=None, help="write every step's loss (JSON) here")
+    parser.add_argument("--runs", default=None,
+                        help="comma-separated subset of the runs (default: all)")
     args = parser.parse_args()
     corpus = load_corpus(500_000)
     freeze = args.freeze if args.freeze is not None else args.steps // 10
     runs = {"Adam": ("Adam", {}),
             "Adam-nobc": ("Adam", {"bias_correction": False}),
+            "OneBitAdam-nocomp": ("OneBitAdam", {"freeze_step": args.steps}),
             "OneBitAdam": ("OneBitAdam", {"freeze_step": freeze}),
             "ZeroOneAdam": ("ZeroOneAdam", {"var_freeze_step": freeze,
                                             "var_update_scaler": 4,
                                             "local_step_scaler": 50, "local_step_clipper": 4}),
             "OneBitLamb": ("OneBitLamb", {"freeze_step": freeze, "lr": 2e-3})}
+    if args.runs:
+        runs = {name: runs[name] for name in args.runs.split(",")}
     curves = {name: run(kind, params, args.steps, corpus)
               for name, (kind, params) in runs.items()}
     if dist.get_rank() == 0:
         print(f"W={dist.get_world_size()}, {args.steps} steps, warm-up {freeze} steps")
-        print("step " + "".join(f"{name:>13s}" for name in curves))
-        for step in range(0, args.steps, 50):
-            print(f"{step:4d} " + "".join(f"{c[step]:13.4f}" for c in curves.values()))
+        print("step " + "".join(f"{name:>18s}" for name in curves))
+        for step in range(0, args.steps, 25):
+            print(f"{step:4d} " + "".join(f"{c[step]:18.4f}" for c in curves.values()))
+        if args.curves:
+            with open(args.curves, "w") as f:
+                json.dump(curves, f)
         final = {name: sum(c[-20:]) / 20 for name, c in curves.items()}
         for name, value in final.items():
-            print(f"final (mean of last 20) {name:12s} {value:.4f}  "
-                  f"ratio to Adam {value / final['Adam']:.4f}")
+            ratios = "".join(f"  ratio to {ref} {value / final[ref]:.4f}"
+                             for ref in ("Adam", "OneBitAdam-nocomp") if ref in final)
+            print(f"final (mean of last 20) {name:17s} {value:.4f}{ratios}")
 
 
 if __name__ == "__main__":
