@@ -11,7 +11,14 @@ What DeepSpeed computes, and where (DeepSpeed 0.19.6):
   ``N lcm(N, 8)``, worker scale ``||m + e|| / sqrt(P)`` and worker error, the server
   average of chunk r on rank r with its own error, signs ``x >= 0 -> +1``;
 * ``DeepSpeedEngine._configure_basic_optimizer`` (runtime/engine.py): ``assert not
-  self.zero_optimization()`` for the 1-bit family: ZeRO stage 0 only.
+  self.zero_optimization()`` for the 1-bit family: ZeRO stage 0 only;
+* what one ``compressed_allreduce`` takes: ``OnebitAdam.step`` calls it on each tensor of
+  its param groups, each with its own ``worker_error``/``server_error`` and padding
+  (``corrected_tensor_size``). In fp32 ``DeepSpeedEngine._do_optimizer_sanity_check``
+  picks no wrapper, so those tensors are the model's parameters: one scale per parameter.
+  Under fp16/bf16 ``_configure_fp16_optimizer`` wraps it in ``FP16_Optimizer``
+  (runtime/fp16/fused_optimizer.py), whose param groups hold one flat fp32 master each
+  (``param_group['params'] = [self.fp32_groups_flat[i]]``): one vector per group.
 
 The replay below simulates the N ranks in one process with whole vectors (no bit packing,
 no communicator); the engine runs them on real gloo ranks.
@@ -91,16 +98,40 @@ def _local_gradients(w: torch.Tensor, batch, world: int) -> list[torch.Tensor]:
     return grads
 
 
-def reference(world: int, seen: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
+class Compressor:
+    """The 1-bit mean of flat vectors cut into ``sizes`` (one segment per parameter, each
+    with its own padding and errors: DeepSpeed in fp32), or of the whole vector as one
+    (``sizes`` of one element: DeepSpeed's fp16/bf16 ``FP16_Optimizer`` flat group)."""
+
+    def __init__(self, sizes: list[int], world: int):
+        self.sizes = sizes
+        total = [padded_numel(n, world) for n in sizes]
+        self.worker = [[torch.zeros(t) for _ in range(world)] for t in total]
+        self.server = [[torch.zeros(t // world) for _ in range(world)] for t in total]
+
+    def __call__(self, vectors: list[torch.Tensor]) -> torch.Tensor:
+        pieces = [v.split(self.sizes) for v in vectors]
+        return torch.cat([_one_bit_mean([p[i] for p in pieces], self.worker[i], self.server[i])
+                          for i in range(len(self.sizes))])
+
+
+def param_sizes(flat: bool) -> list[int]:
+    """The segments compressed apart: every parameter (fp32), or all as one (fp16/bf16:
+    the test model is one param group)."""
+    sizes = [p.numel() for p in build_model("mlp", 0).parameters()]
+    return [sum(sizes)] if flat else sizes
+
+
+def reference(world: int, seen: list[list[torch.Tensor]] | None = None,
+              flat: bool = False) -> list[torch.Tensor]:
     """The flat parameter vector after every step, plain torch on one process. ``seen``:
     the gradients each rank's optimizer saw at each step (the all-reduced mean during the
     warm-up, its own after), to replay the optimizer and the compression alone on them;
-    None: fp32 gradients computed here."""
+    None: fp32 gradients computed here. ``flat``: the momentum compressed as one vector
+    (bf16) instead of per parameter (fp32)."""
     w = torch.cat([p.detach().reshape(-1) for p in build_model("mlp", 0).parameters()])
     m, v = torch.zeros_like(w), torch.zeros_like(w)
-    total = padded_numel(w.numel(), world)
-    worker = [torch.zeros(total) for _ in range(world)]
-    server = [torch.zeros(total // world) for _ in range(world)]
+    compress = Compressor(param_sizes(flat), world)
     (b1, b2), eps, lr, wd = PARAMS["betas"], PARAMS["eps"], PARAMS["lr"], PARAMS["weight_decay"]
     t, compressing, history = 0, False, []
     for step, batch in enumerate(make_batches("mlp", STEPS, BATCH)):
@@ -112,7 +143,7 @@ def reference(world: int, seen: list[list[torch.Tensor]] | None = None) -> list[
         t += 1
         if compressing:
             momenta = [b1 * m + (1 - b1) * g for g in grads]
-            m = _one_bit_mean(momenta, worker, server) if world > 1 else momenta[0]
+            m = compress(momenta) if world > 1 else momenta[0]
         else:  # the engine's all-reduce: the sum, times 1 / N
             g = torch.stack(grads).sum(0) * (1.0 / world) if seen is None else grads[0]
             m = b1 * m + (1 - b1) * g
@@ -154,18 +185,20 @@ def _bytes(report: dict, op: str) -> int:
     pytest.param(4, "bf16", marks=pytest.mark.slow),
     pytest.param(4, "bf16+fp32grads", marks=pytest.mark.slow)])
 def test_onebit_adam_equals_plain_replay(tmp_path, world_size, dtype):
-    """Every step's parameters, warm-up (steps 0-2) and compressed (3-5), at fp32 and bf16
-    (whose stage 0 all-reduces bf16 gradients, as DeepSpeed's requires). A sign that flips
-    on round-off moves an element by an lr-sized step, so the tolerance is tight."""
+    """Every step's parameters, warm-up (steps 0-2) and compressed (3-5), at fp32 (each
+    parameter's momentum compressed on its own) and bf16 (whose stage 0 all-reduces bf16
+    gradients, as DeepSpeed's requires; the group's momenta compressed as one vector). A
+    sign that flips on round-off moves an element by an lr-sized step, so the tolerance is
+    tight."""
     results = run_distributed(_train, world_size, tmp_path, dtype, timeout=300)
     if dtype == "fp32":
         want = reference(world_size)
     else:  # bf16 LayerNorm gradients differ by an ulp between the engine's views into its
         # flat buffer and separate tensors: replay on the gradients the ranks saw
         want = reference(world_size, [list(s) for s in zip(*(r["seen"] for r in results),
-                                                            strict=True)])
+                                                            strict=True)], flat=True)
     tol = {"rtol": 1e-5, "atol": 1e-6}
-    numel = want[0].numel()
+    sizes = param_sizes(flat=dtype != "fp32")
     for rank, got in enumerate(results):
         for step, (g, w) in enumerate(zip(got["history"], want, strict=True)):
             torch.testing.assert_close(g, w, **tol, msg=lambda m, s=step, r=rank:
@@ -177,7 +210,8 @@ def test_onebit_adam_equals_plain_replay(tmp_path, world_size, dtype):
             compressed = step >= FREEZE
             sent = _bytes(report, "compressed_all_to_all") + _bytes(report,
                                                                     "compressed_all_gather")
-            assert sent == (compressed_bytes(numel, n) if compressed else 0), (step, report)
+            want_sent = sum(compressed_bytes(size, n) for size in sizes)
+            assert sent == (want_sent if compressed else 0), (step, report)
             flag = 2 * 4 * (n - 1) // n  # local gradients: one float agrees on inf/nan
             assert _bytes(report, "nonfinite_check") == (flag if compressed else 0)
             full = 2 * (n - 1) * got["padded"] * size // n
@@ -267,10 +301,10 @@ def test_onebit_checkpoint_resumes_in_the_compressed_phase(tmp_path):
     """A checkpoint saved after the warm-up loads into the compressed phase: the gradients
     stay local and the next step sends only the packed signs and scales."""
     results = run_distributed(_save_and_resume, 2, tmp_path, str(tmp_path / "ckpt"))
-    numel = sum(t.numel() for t in results[0][2]["saved"].values())
+    per_param = sum(compressed_bytes(t.numel(), 2) for t in results[0][2]["saved"].values())
     for local, report, _ in results:
         assert local
         sent = _bytes(report, "compressed_all_to_all") + _bytes(report, "compressed_all_gather")
-        assert sent == compressed_bytes(numel, 2) and _bytes(report, "all_reduce") == 0
+        assert sent == per_param and _bytes(report, "all_reduce") == 0
     for name, value in results[0][2]["after"].items():  # the ranks agree after the step
         torch.testing.assert_close(results[1][2]["after"][name], value, rtol=0, atol=0)

@@ -10,7 +10,9 @@ every ``var_update_scaler`` variance steps; after ``var_freeze_step`` local step
 accumulated updates are replaced by their 1-bit mean every ``local_step_interval`` steps
 (doubling every ``local_step_scaler`` steps up to ``local_step_clipper``), the errors
 zeroed once at the freeze; the compression is ``NcclBackend.compressed_allreduce``
-(runtime/comm/nccl.py), replayed by tests/test_onebit.py's ``_one_bit_mean``.
+(runtime/comm/nccl.py), replayed by tests/test_onebit.py's ``_one_bit_mean``, called by
+``ZeroOneAdam.step`` on each parameter with its own ``worker_error``/``server_error`` (fp32:
+no ``FP16_Optimizer`` flattening), replayed by tests/test_onebit.py's ``Compressor``.
 
 With the parameters below the 12 steps cover: variance steps (2, 3, 4, 6), 1-bit gradient
 steps (5, 7), synchronised local steps (8, 9, 10, 12) and an unsynchronised one (11), after
@@ -23,10 +25,9 @@ import pytest
 import torch
 
 import meshzero
-from meshzero.comm.compressed import padded_numel
 from tests.distributed import run_distributed
 from tests.models import build_model, make_batches, mlp_loss, split_for_rank
-from tests.test_onebit import _local_gradients, _one_bit_mean
+from tests.test_onebit import Compressor, _local_gradients, param_sizes
 
 STEPS, BATCH = 12, 8
 PARAMS = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-4, "weight_decay": 0.01,
@@ -49,16 +50,14 @@ class _Replay:
         self.m = [torch.zeros_like(w) for _ in range(world)]
         self.acc = [torch.zeros_like(w) for _ in range(world)]
         self.v = torch.zeros_like(w)
-        total = padded_numel(w.numel(), world)
-        self.worker = [torch.zeros(total) for _ in range(world)]
-        self.server = [torch.zeros(total // world) for _ in range(world)]
+        self.compress = Compressor(param_sizes(flat=False), world)  # fp32: per parameter
         self.t, self.lrs, self.frozen = 0, 0.0, False
         self.var_interval, self.var_counter, self.lsi, self.lsc = 1, 0, 1, 0
 
     def mean(self, vectors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         if self.n == 1:
             return None
-        avg = _one_bit_mean(vectors, self.worker, self.server)
+        avg = self.compress(vectors)
         return [avg] * self.n
 
     def step(self, grads: list[torch.Tensor]) -> None:
@@ -104,8 +103,7 @@ class _Replay:
                 self.lsc, self.lsi = 0, min(PARAMS["local_step_clipper"], self.lsi * 2)
         if not frozen and self.t > PARAMS["var_freeze_step"]:
             self.frozen = True
-            self.worker = [torch.zeros_like(e) for e in self.worker]
-            self.server = [torch.zeros_like(e) for e in self.server]
+            self.compress = Compressor(param_sizes(flat=False), self.n)  # errors zeroed
 
 
 def reference(world: int) -> list[list[torch.Tensor]]:

@@ -273,7 +273,8 @@ def _optimizer(model: nn.Module, config: Config, zero: ZeroModelState, optimizer
         optimizer=optimizer, model_parameters=model_parameters, config=config.optimizer,
         bf16=config.bf16)
     bind_to_shards(opt, zero.optim_state.fragment_norms)
-    bind_data_parallel(opt, comms.dp, zero.keep_gradients_local)
+    bind_data_parallel(opt, comms.dp, zero.keep_gradients_local,
+                       flat_groups=config.fp16.enabled or config.bf16.enabled)
     zero.attach_optimizer(opt, param_group_of(model, optimizer, model_parameters))
     if isinstance(optimizer, torch.optim.Optimizer):
         bind_caller_optimizer(optimizer, opt)

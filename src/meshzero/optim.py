@@ -214,12 +214,15 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, fragment_norms: Callable[[]
 
 
 def bind_data_parallel(optimizer: torch.optim.Optimizer, comm: Communicator,
-                       keep_gradients_local: Callable[[bool], None]) -> None:
+                       keep_gradients_local: Callable[[bool], None],
+                       flat_groups: bool = False) -> None:
     """An optimizer that communicates over the data-parallel group itself (the 1-bit
     family's momentum) gets the communicator and the switch that leaves the gradients
-    unreduced (``GradientReducer.local_gradients``)."""
+    unreduced (``GradientReducer.local_gradients``). ``flat_groups`` (fp16 or bf16
+    training): compress a param group's momenta as one vector, as DeepSpeed's
+    ``FP16_Optimizer`` wrapper makes 1-bit Adam do; else each parameter's on its own."""
     if isinstance(optimizer, OneBitAdam | ZeroOneAdam | OneBitLamb):
-        optimizer.bind(comm, keep_gradients_local)
+        optimizer.bind(comm, keep_gradients_local, flat_groups)
 
 
 def check_forward_only(config: Any, lr_scheduler: Any, model_parameters: Any) -> None:

@@ -103,7 +103,9 @@ def compressed_all_reduce(comm: Communicator, x: torch.Tensor, errors: ErrorFeed
 
 def compressed_bytes(numel: int, world_size: int) -> int:
     """Bytes one rank sends in :func:`compressed_all_reduce` of a vector of ``numel``
-    elements (before padding): what ``comm_report`` counts."""
+    elements (before padding): what ``comm_report`` counts for it. A step of 1-bit Adam
+    sends the sum over its compressed vectors: each parameter's momentum in fp32, each
+    param group's under fp16/bf16 (optimizers/onebit.py)."""
     if world_size == 1:
         return 0
     row = padded_numel(numel, world_size) // world_size // 8 + 4

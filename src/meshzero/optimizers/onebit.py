@@ -15,13 +15,19 @@ Computed as DeepSpeed's ``OnebitAdam.step`` (runtime/fp16/onebit/adam.py) comput
   correction (DeepSpeed accepts ``bias_correction`` and ignores it, as it does
   ``eps_inside_sqrt`` and ``max_grad_norm``).
 
-The momentum of a param group is compressed as one vector (its fragments in order, padded),
-as DeepSpeed's fp16 and bf16 wrappers hand it one flat fp32 tensor per group.
+What is compressed as one vector (one scale, one pair of error buffers) follows DeepSpeed,
+whose ``OnebitAdam.step`` compresses each tensor of its param groups on its own:
+
+* fp32 (DeepSpeed's engine hands the optimizer the model's parameters: no wrapper in
+  ``_do_optimizer_sanity_check``): each parameter's momentum, padded, separately;
+* fp16 or bf16 (``_configure_fp16_optimizer`` wraps 1-bit Adam in ``FP16_Optimizer``,
+  whose param groups hold one flat fp32 master each): a param group's momenta as one
+  vector (its parameters in order, padded). ``bind(..., flat_groups=True)`` selects it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -47,7 +53,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step = freeze_step
         self.comm: Communicator | None = None  # the data-parallel group (bind)
         self._keep_local: Callable[[bool], None] = lambda on: None
-        self._errors: dict[int, ErrorFeedback] = {}  # param group index -> its errors
+        # ("group", index) or ("param", id(p)) -> its errors (see flat_groups)
+        self._errors: dict[Hashable, ErrorFeedback] = {}
+        self.flat_groups = False  # a group's momenta as one vector (fp16/bf16), else each
 
     @property
     def initialized(self) -> bool:
@@ -62,10 +70,13 @@ class OneBitAdam(torch.optim.Optimizer):
         steps = [int(s["step"]) for s in self.state.values() if s]
         return bool(steps) and max(steps) >= max(self.freeze_step, 2)
 
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None]) -> None:
+    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
+             flat_groups: bool = False) -> None:
         """``comm``: the data-parallel communicator; ``keep_gradients_local(on)``: whether
-        the engine leaves each rank's gradient unreduced (True after the warm-up)."""
-        self.comm, self._keep_local = comm, keep_gradients_local
+        the engine leaves each rank's gradient unreduced (True after the warm-up);
+        ``flat_groups``: compress a param group's momenta as one vector (DeepSpeed under
+        fp16/bf16) rather than each parameter's on its own (DeepSpeed in fp32)."""
+        self.comm, self._keep_local, self.flat_groups = comm, keep_gradients_local, flat_groups
         keep_gradients_local(self.compressing)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -119,10 +130,10 @@ class OneBitAdam(torch.optim.Optimizer):
             p.add_(update.mul_(-group["lr"]))
 
     def _average_momentum(self, index: int, params: list[torch.Tensor]) -> None:
-        """The group's momenta, as one padded vector, through the 1-bit all-reduce."""
+        """The group's momenta through the 1-bit all-reduce (see ``flat_groups``)."""
         assert self.comm is not None
-        one_bit_mean(self.comm, self._errors, index,
-                     [self.state[p]["exp_avg"] for p in params])
+        one_bit_average(self.comm, self._errors, index, params,
+                        [self.state[p]["exp_avg"] for p in params], self.flat_groups)
 
 
 def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
@@ -134,7 +145,21 @@ def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
                          "(meshzero compresses the whole momentum); drop it from the group")
 
 
-def one_bit_mean(comm: Communicator, errors: dict[int, ErrorFeedback], key: int,
+def one_bit_average(comm: Communicator, errors: dict[Hashable, ErrorFeedback], index: int,
+                    params: list[torch.Tensor], tensors: list[torch.Tensor],
+                    flat_groups: bool) -> None:
+    """``tensors`` (one per parameter of ``params``, of param group ``index``) <- their
+    1-bit mean over ``comm``'s ranks: all as one vector with the errors ``("group",
+    index)`` when ``flat_groups``, else each on its own with the errors ``("param",
+    id(p))``, one scale per parameter (DeepSpeed's ``OnebitAdam``/``ZeroOneAdam`` in fp32)."""
+    if flat_groups:
+        one_bit_mean(comm, errors, ("group", index), tensors)
+        return
+    for p, t in zip(params, tensors, strict=True):
+        one_bit_mean(comm, errors, ("param", id(p)), [t])
+
+
+def one_bit_mean(comm: Communicator, errors: dict[Hashable, ErrorFeedback], key: Hashable,
                  tensors: list[torch.Tensor]) -> None:
     """``tensors`` <- the 1-bit estimate of their mean over ``comm``'s ranks, compressed as
     one padded vector with the error feedback ``errors[key]`` (made on first use)."""

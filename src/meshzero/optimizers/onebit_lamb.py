@@ -26,7 +26,7 @@ DeepSpeed's ``exp_avg_flat`` holds them. The trust ratio needs whole parameters:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class OneBitLamb(torch.optim.Optimizer):
         self.factor_max, self.factor_min = factor_max, factor_min
         self.comm: Communicator | None = None
         self._keep_local: Callable[[bool], None] = lambda on: None
-        self._errors: dict[int, ErrorFeedback] = {}
+        self._errors: dict[Hashable, ErrorFeedback] = {}
         self.lamb_coeffs: list[float] = []  # DeepSpeed's get_lamb_coeffs: the last step's
 
     def _steps(self) -> list[int]:
@@ -68,7 +68,10 @@ class OneBitLamb(torch.optim.Optimizer):
         steps = self._steps()
         return bool(steps) and max(steps) >= max(self.freeze_step, 2)
 
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None]) -> None:
+    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
+             flat_groups: bool = False) -> None:
+        """As OneBitAdam.bind; ``flat_groups`` changes nothing: DeepSpeed's ``OnebitLamb``
+        compresses all momenta as one vector (``exp_avg_flat``) in every precision."""
         self.comm, self._keep_local = comm, keep_gradients_local
         keep_gradients_local(self.compressing)
 

@@ -19,19 +19,21 @@ Computed as DeepSpeed's ``ZeroOneAdam.step`` (runtime/fp16/onebit/zoadam.py):
 * ``u`` is applied every step; no bias correction. At one rank nothing is communicated
   and, as in DeepSpeed, ``m`` keeps its value on the variance phase's local steps.
 
-A param group's vectors are compressed as one, as in optimizers/onebit.py.
+Each parameter's vector is compressed on its own in fp32, a param group's as one under
+fp16/bf16, as in optimizers/onebit.py (DeepSpeed's ``ZeroOneAdam.step`` compresses each
+tensor of its param groups; its fp16/bf16 wrapper ``FP16_Optimizer`` flattens each group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback
-from meshzero.optimizers.onebit import one_bit_mean, refuse_masks
+from meshzero.optimizers.onebit import one_bit_average, refuse_masks
 
 
 class ZeroOneAdam(torch.optim.Optimizer):
@@ -55,7 +57,8 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self.local_step_clipper = local_step_clipper
         self.comm: Communicator | None = None
         self._keep_local: Callable[[bool], None] = lambda on: None
-        self._errors: dict[int, ErrorFeedback] = {}
+        self._errors: dict[Hashable, ErrorFeedback] = {}
+        self.flat_groups = False  # see OneBitAdam.flat_groups
 
     def _first(self) -> dict[str, Any] | None:
         return next((s for s in self.state.values() if s), None)
@@ -73,8 +76,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
             return False
         return self.frozen or (first["step"] + 1) % first["var_interval"] != 0
 
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None]) -> None:
-        self.comm, self._keep_local = comm, keep_gradients_local
+    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
+             flat_groups: bool = False) -> None:
+        """As OneBitAdam.bind."""
+        self.comm, self._keep_local, self.flat_groups = comm, keep_gradients_local, flat_groups
         keep_gradients_local(self.wants_local_gradients())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -114,11 +119,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self._keep_local(self.wants_local_gradients())
         return loss
 
-    def _mean(self, index: int, tensors: list[torch.Tensor]) -> bool:
+    def _mean(self, index: int, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
         """The 1-bit mean in place; False at one rank (nothing done, as in DeepSpeed)."""
         if self.comm is None or self.comm.size == 1:
             return False
-        one_bit_mean(self.comm, self._errors, index, tensors)
+        one_bit_average(self.comm, self._errors, index, params, tensors, self.flat_groups)
         return True
 
     def _step_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor],
@@ -134,7 +139,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                 s["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
         elif not frozen:
             grads = [p.grad.clone() for p in params if p.grad is not None]
-            if self._mean(index, grads):
+            if self._mean(index, params, grads):
                 for g, s in zip(grads, states, strict=True):
                     s["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
         else:
@@ -160,7 +165,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         for p, s, acc in zip(params, states, accs, strict=True):
             p.add_(-1 * acc)
             acc.mul_(s["exp_avg_sq"].sqrt() + group["eps"])
-        self._mean(index, accs)
+        self._mean(index, params, accs)
         for p, s, acc in zip(params, states, accs, strict=True):
             s["exp_avg"].zero_().add_(acc / s["lrs"], alpha=-1)
             p.add_(acc / (s["exp_avg_sq"].sqrt() + group["eps"]))
