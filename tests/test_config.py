@@ -95,8 +95,8 @@ MUTATIONS: list[tuple[tuple[str, ...], Any, tuple[str, ...]]] = [
     # optimizer and scheduler types
     (
         ("optimizer", "type"),
-        "OneBitLamb",
-        ("optimizer.type", "'OneBitLamb' is a DeepSpeed optimizer", "valid: Adam, AdamW, SGD"),
+        "MuAdam",
+        ("optimizer.type", "'MuAdam' is a DeepSpeed optimizer", "valid: Adam, AdamW, SGD"),
     ),
     (("optimizer", "type"), "RMSprop", ("optimizer.type", "valid: Adam, AdamW, SGD, Lamb")),
     (("scheduler", "type"), "OneCycle", ("scheduler.type", "WarmupCosineLR")),

@@ -34,7 +34,7 @@ BAD_CONFIGS = [
     ({"zero_optimization": {"stag": 1}}, "did you mean 'zero_optimization.stage'"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
      "is 'auto'"),
-    ({"optimizer": {"type": "OneBitLamb"}}, "DeepSpeed optimizer meshzero does not implement"),
+    ({"optimizer": {"type": "MuAdam"}}, "DeepSpeed optimizer meshzero does not implement"),
 ]
 
 

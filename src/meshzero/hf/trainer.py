@@ -201,8 +201,14 @@ class MeshzeroTrainer(Trainer):
         each unit and Accelerate never wraps the model or the engine in ``torch.compile``."""
         args = super()._build_accelerator_args(**kwargs)
         if "dynamo_plugin" in args:
-            from accelerate.utils import DynamoBackend, TorchDynamoPlugin  # type: ignore[import-untyped]
-
+            try:
+                from accelerate.utils import (  # type: ignore[import-untyped]
+                    DynamoBackend,
+                    TorchDynamoPlugin,
+                )
+            except ImportError as e:  # the Trainer needs accelerate: an extra, say which
+                raise ImportError("MeshzeroTrainer needs accelerate: "
+                                  "pip install 'meshzero[hf]'") from e
             args["dynamo_plugin"] = TorchDynamoPlugin(backend=DynamoBackend.NO)
         return args
 
