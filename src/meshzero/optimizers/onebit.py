@@ -35,59 +35,25 @@ import torch.nn.functional as F
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback, compressed_all_reduce, padded_numel
+from meshzero.optimizers.onebit_base import FreezingOptimizer
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(FreezingOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = True,
                  eps_inside_sqrt: bool = False, max_grad_norm: float = 0.0,
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl"):
-        if amsgrad:
-            raise ValueError("1-bit Adam has no AMSGrad variant (amsgrad must be false)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults)
-        refuse_masks(self.param_groups, "OneBitAdam")
+        super().__init__(params, defaults, "1-bit Adam", amsgrad)
         self.freeze_step = freeze_step
-        self.comm: Communicator | None = None  # the data-parallel group (bind)
-        self._keep_local: Callable[[bool], None] = lambda on: None
-        # ("group", index) or ("param", id(p)) -> its errors (see flat_groups)
-        self._errors: dict[Hashable, ErrorFeedback] = {}
-        self.flat_groups = False  # a group's momenta as one vector (fp16/bf16), else each
 
     @property
     def initialized(self) -> bool:
         """The state exists (DeepSpeed's first, state-only step has run)."""
         return any(self.state.values())
-
-    @property
-    def compressing(self) -> bool:
-        """Past the warm-up: the momentum crosses the group in 1 bit per element. DeepSpeed
-        checks ``step >= freeze_step`` after each step but the first (state only): the
-        next step compresses."""
-        steps = [int(s["step"]) for s in self.state.values() if s]
-        return bool(steps) and max(steps) >= max(self.freeze_step, 2)
-
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
-             flat_groups: bool = False) -> None:
-        """``comm``: the data-parallel communicator; ``keep_gradients_local(on)``: whether
-        the engine leaves each rank's gradient unreduced (True after the warm-up);
-        ``flat_groups``: compress a param group's momenta as one vector (DeepSpeed under
-        fp16/bf16) rather than each parameter's on its own (DeepSpeed in fp32)."""
-        self.comm, self._keep_local, self.flat_groups = comm, keep_gradients_local, flat_groups
-        keep_gradients_local(self.compressing)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.state_loaded()
-
-    def state_loaded(self) -> None:
-        """After a checkpoint load: the errors restart from zero (DeepSpeed drops them on
-        load too) and the engine's gradients follow the loaded step count."""
-        self._errors.clear()
-        self._keep_local(self.compressing)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -134,15 +100,6 @@ class OneBitAdam(torch.optim.Optimizer):
         assert self.comm is not None
         one_bit_average(self.comm, self._errors, index, params,
                         [self.state[p]["exp_avg"] for p in params], self.flat_groups)
-
-
-def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
-    """DeepSpeed's ``exp_avg_mask`` param-group key (momentum elements zeroed after the
-    compression, e.g. embedding rows no batch reaches) is not implemented: refused, not
-    ignored."""
-    if any("exp_avg_mask" in g for g in param_groups):
-        raise ValueError(f"{name}: the param-group key 'exp_avg_mask' is not supported yet "
-                         "(meshzero compresses the whole momentum); drop it from the group")
 
 
 def one_bit_average(comm: Communicator, errors: dict[Hashable, ErrorFeedback], index: int,

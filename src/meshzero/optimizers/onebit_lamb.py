@@ -26,17 +26,16 @@ DeepSpeed's ``exp_avg_flat`` holds them. The trust ratio needs whole parameters:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from meshzero.comm.communicator import Communicator
-from meshzero.comm.compressed import ErrorFeedback
-from meshzero.optimizers.onebit import one_bit_mean, refuse_masks
+from meshzero.optimizers.onebit import one_bit_mean
+from meshzero.optimizers.onebit_base import FreezingOptimizer
 
 
-class OneBitLamb(torch.optim.Optimizer):
+class OneBitLamb(FreezingOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = True,
@@ -45,45 +44,14 @@ class OneBitLamb(torch.optim.Optimizer):
                  cuda_aware: bool = False, comm_backend_name: str = "nccl",
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1):
-        if amsgrad:
-            raise ValueError("1-bit LAMB has no AMSGrad variant (amsgrad must be false)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_grad_norm=max_grad_norm,
                         max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults)
-        refuse_masks(self.param_groups, "OneBitLamb")
+        super().__init__(params, defaults, "1-bit LAMB", amsgrad)
         self.freeze_step = freeze_step
         self.coeff_beta, self.factor_threshold = coeff_beta, factor_threshold
         self.factor_max, self.factor_min = factor_max, factor_min
-        self.comm: Communicator | None = None
-        self._keep_local: Callable[[bool], None] = lambda on: None
-        self._errors: dict[Hashable, ErrorFeedback] = {}
         self.lamb_coeffs: list[float] = []  # DeepSpeed's get_lamb_coeffs: the last step's
-
-    def _steps(self) -> list[int]:
-        return [int(s["step"]) for s in self.state.values() if s]
-
-    @property
-    def compressing(self) -> bool:
-        steps = self._steps()
-        return bool(steps) and max(steps) >= max(self.freeze_step, 2)
-
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
-             flat_groups: bool = False) -> None:
-        """As OneBitAdam.bind; ``flat_groups`` changes nothing: DeepSpeed's ``OnebitLamb``
-        compresses all momenta as one vector (``exp_avg_flat``) in every precision."""
-        self.comm, self._keep_local = comm, keep_gradients_local
-        keep_gradients_local(self.compressing)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.state_loaded()
-
-    def state_loaded(self) -> None:
-        """After a checkpoint load: the errors restart from zero (DeepSpeed drops them on
-        load too) and the engine's gradients follow the loaded step count."""
-        self._errors.clear()
-        self._keep_local(self.compressing)
 
     def _live(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"]
@@ -97,7 +65,7 @@ class OneBitLamb(torch.optim.Optimizer):
                 loss = closure()
         self.lamb_coeffs = []
         live = self._live()
-        if not self._steps():  # DeepSpeed's first step: state only
+        if not any(self.state.values()):  # DeepSpeed's first step: state only
             for _, p in live:
                 self.state[p].update(step=1, lamb_coeff_freeze=0.0, last_factor=1.0,
                                      exp_avg=torch.zeros_like(p),

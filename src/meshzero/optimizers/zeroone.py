@@ -26,17 +26,16 @@ tensor of its param groups; its fp16/bf16 wrapper ``FP16_Optimizer`` flattens ea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from meshzero.comm.communicator import Communicator
-from meshzero.comm.compressed import ErrorFeedback
-from meshzero.optimizers.onebit import one_bit_average, refuse_masks
+from meshzero.optimizers.onebit import one_bit_average
+from meshzero.optimizers.onebit_base import CompressingOptimizer
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(CompressingOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = True,
@@ -45,20 +44,13 @@ class ZeroOneAdam(torch.optim.Optimizer):
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl"):
-        if amsgrad:
-            raise ValueError("0/1 Adam has no AMSGrad variant (amsgrad must be false)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults)
-        refuse_masks(self.param_groups, "ZeroOneAdam")
+        super().__init__(params, defaults, "0/1 Adam", amsgrad)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        self.comm: Communicator | None = None
-        self._keep_local: Callable[[bool], None] = lambda on: None
-        self._errors: dict[Hashable, ErrorFeedback] = {}
-        self.flat_groups = False  # see OneBitAdam.flat_groups
 
     def _first(self) -> dict[str, Any] | None:
         return next((s for s in self.state.values() if s), None)
@@ -75,22 +67,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
         if first is None:
             return False
         return self.frozen or (first["step"] + 1) % first["var_interval"] != 0
-
-    def bind(self, comm: Communicator, keep_gradients_local: Callable[[bool], None],
-             flat_groups: bool = False) -> None:
-        """As OneBitAdam.bind."""
-        self.comm, self._keep_local, self.flat_groups = comm, keep_gradients_local, flat_groups
-        keep_gradients_local(self.wants_local_gradients())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.state_loaded()
-
-    def state_loaded(self) -> None:
-        """After a checkpoint load: the errors restart from zero (DeepSpeed drops them on
-        load too) and the engine's gradients follow the loaded step count."""
-        self._errors.clear()
-        self._keep_local(self.wants_local_gradients())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
