@@ -72,6 +72,16 @@ class SGDParams(Section):
         return nesterov
 
 
+def _at_most(bound: str) -> Any:
+    """A field validator: the value may not exceed the (earlier) field ``bound``."""
+    def check(cls: type, value: float, info: ValidationInfo) -> float:
+        top = info.data.get(bound, value)
+        if value > top:
+            raise InvalidValue(f"is greater than {bound} ({top})")
+        return value
+    return classmethod(check)
+
+
 class LambParams(Section):
     """DeepSpeed's "Lamb" (FusedLamb): Adam's moments, a per-parameter trust ratio
     ||w|| / ||update|| clamped to [min_coeff, max_coeff], weight decay inside the update;
@@ -87,13 +97,7 @@ class LambParams(Section):
     max_coeff: NonNegFloat = 10.0
     min_coeff: NonNegFloat = 0.01
 
-    @field_validator("min_coeff")
-    @classmethod
-    def _coeffs_ordered(cls, value: float, info: ValidationInfo) -> float:
-        top = info.data.get("max_coeff", value)
-        if value > top:
-            raise InvalidValue(f"is greater than max_coeff ({top})")
-        return value
+    _coeffs_ordered = field_validator("min_coeff")(_at_most("max_coeff"))
 
 
 class _OneBitParams(Section):
@@ -152,13 +156,7 @@ class OneBitLambParams(_OneBitParams):
     factor_min: PosFloat = 0.5
     factor_threshold: NonNegFloat = 0.1
 
-    @field_validator("factor_min")
-    @classmethod
-    def _factors_ordered(cls, value: float, info: ValidationInfo) -> float:
-        top = info.data.get("factor_max", value)
-        if value > top:
-            raise InvalidValue(f"is greater than factor_max ({top})")
-        return value
+    _factors_ordered = field_validator("factor_min")(_at_most("factor_max"))
 
 
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
