@@ -82,10 +82,8 @@ def _at_most(bound: str) -> Any:
     return classmethod(check)
 
 
-class LambParams(Section):
-    """DeepSpeed's "Lamb" (FusedLamb): Adam's moments, a per-parameter trust ratio
-    ||w|| / ||update|| clamped to [min_coeff, max_coeff], weight decay inside the update;
-    max_grad_norm > 0 clips the global gradient norm first (meshzero/optimizers/lamb.py)."""
+class _FusedParams(Section):
+    """The params DeepSpeed's fused LAMB and its 1-bit optimizers share."""
 
     lr: PosFloat = 1e-3
     betas: tuple[Beta, Beta] = (0.9, 0.999)
@@ -94,13 +92,20 @@ class LambParams(Section):
     bias_correction: Bool = True
     eps_inside_sqrt: Bool = False
     max_grad_norm: NonNegFloat = 0.0
+
+
+class LambParams(_FusedParams):
+    """DeepSpeed's "Lamb" (FusedLamb): Adam's moments, a per-parameter trust ratio
+    ||w|| / ||update|| clamped to [min_coeff, max_coeff], weight decay inside the update;
+    max_grad_norm > 0 clips the global gradient norm first (meshzero/optimizers/lamb.py)."""
+
     max_coeff: NonNegFloat = 10.0
     min_coeff: NonNegFloat = 0.01
 
     _coeffs_ordered = field_validator("min_coeff")(_at_most("max_coeff"))
 
 
-class _OneBitParams(Section):
+class _OneBitParams(_FusedParams):
     """The params DeepSpeed's 1-bit optimizers share. As in DeepSpeed, ``bias_correction``,
     ``eps_inside_sqrt`` and ``max_grad_norm`` are accepted and change nothing (its 1-bit
     optimizers never read them). ``comm_backend_name`` picks DeepSpeed's transport (NCCL,
@@ -109,13 +114,6 @@ class _OneBitParams(Section):
     the same here; ``cuda_aware`` (an MPI build that sends device memory) changes nothing
     either: the process group's backend sends device tensors as they are."""
 
-    lr: PosFloat = 1e-3
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    eps: PosFloat = 1e-8
-    weight_decay: NonNegFloat = 0.0
-    bias_correction: Bool = True
-    eps_inside_sqrt: Bool = False
-    max_grad_norm: NonNegFloat = 0.0
     amsgrad: Literal[False] = False
     cuda_aware: Bool = False
     comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = "nccl"

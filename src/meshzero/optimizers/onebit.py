@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback, compressed_all_reduce, padded_numel
-from meshzero.optimizers.onebit_base import FreezingOptimizer
+from meshzero.optimizers.onebit_base import FreezingOptimizer, closure_loss
 
 
 class OneBitAdam(FreezingOptimizer):
@@ -57,10 +57,7 @@ class OneBitAdam(FreezingOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.initialized:  # DeepSpeed's first step: state only
             for group in self.param_groups:
                 for p in group["params"]:

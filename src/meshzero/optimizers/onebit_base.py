@@ -24,6 +24,14 @@ def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
                          "(meshzero compresses the whole momentum); drop it from the group")
 
 
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``step(closure)``'s loss: the closure run with gradients on (torch's convention)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class CompressingOptimizer(torch.optim.Optimizer):
     """A torch optimizer that sends its momentum, 1-bit compressed, instead of letting the
     engine all-reduce the gradients (after its warm-up)."""

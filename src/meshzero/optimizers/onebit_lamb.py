@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from meshzero.optimizers.onebit import one_bit_mean
-from meshzero.optimizers.onebit_base import FreezingOptimizer
+from meshzero.optimizers.onebit_base import FreezingOptimizer, closure_loss
 
 
 class OneBitLamb(FreezingOptimizer):
@@ -59,10 +59,7 @@ class OneBitLamb(FreezingOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.lamb_coeffs = []
         live = self._live()
         if not any(self.state.values()):  # DeepSpeed's first step: state only

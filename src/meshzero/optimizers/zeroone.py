@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from meshzero.optimizers.onebit import one_bit_average
-from meshzero.optimizers.onebit_base import CompressingOptimizer
+from meshzero.optimizers.onebit_base import CompressingOptimizer, closure_loss
 
 
 class ZeroOneAdam(CompressingOptimizer):
@@ -70,10 +70,7 @@ class ZeroOneAdam(CompressingOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if self._first() is None:  # DeepSpeed's first step: state only
             for group in self.param_groups:
                 for p in group["params"]:

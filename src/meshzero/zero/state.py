@@ -38,6 +38,7 @@ from meshzero.zero.sharded_params import (
     ParameterSharder,
     order_check_communicator,
 )
+from meshzero.zero.state_reads import StateReads
 from meshzero.zero.trainability import Trainability
 from meshzero.zero.units import Layout, ParamSlot, build_layout
 from meshzero.zero.write_back import Target, broadcast_values, check_modifier_rank, write_values
@@ -77,7 +78,7 @@ class ZeroOptions:
     quantize_weights: str = "none"
 
 
-class ZeroModelState:
+class ZeroModelState(StateReads):
     def __init__(self, model: nn.Module, comm: Communicator, device: torch.device,
                  options: ZeroOptions,
                  materialize: Callable[[Layout], Iterable[tuple[int, dict[int, torch.Tensor]]]]
@@ -435,20 +436,6 @@ class ZeroModelState:
         self.trainability.close_window()
 
     # -- reports ------------------------------------------------------------------------------
-    def held_numel(self) -> int:
-        """Parameter elements this rank holds at rest (padding included)."""
-        return sum(g.layout.shard_numel if g.sharded else g.layout.padded_numel
-                   for g in self.groups)
-
-    def held_numel_by_param(self) -> dict[int, int]:
-        """id(param) -> elements of it this rank holds at rest (no padding)."""
-        held = {}
-        for g in self.groups:
-            lo, hi = g.layout.shard_range(self.comm.rank) if g.sharded else (0, g.layout.numel)
-            for slot, p in zip(g.layout.slots, g.params, strict=True):
-                held[id(p)] = max(0, min(hi, slot.offset + slot.numel) - max(lo, slot.offset))
-        return held
-
     def close_transfer_window(self) -> None:
         """The end of an optimizer step: its offload copies become :meth:`transfer_report`'s."""
         self._transfers = self.tier.transfer_step()
@@ -466,38 +453,3 @@ class ZeroModelState:
         self.offloaded.adjust(report)  # what offload_states moved is in host memory now
         report["gathered_params_peak"] = self.memory.peak
         return report
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{name: full fp32 CPU tensor}`` for every entry of ``model.state_dict()``, on
-        every rank (tied parameters appear under each of their names)."""
-        flat_of = {id(p): (g, s) for g in self.groups for s, p in zip(g.layout.slots, g.params,
-                                                                        strict=True)}
-        cache: dict[int, torch.Tensor] = {}
-        out = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) in flat_of:
-                group, slot = flat_of[id(t)]
-                if id(group) not in cache:
-                    cache[id(group)] = self.full_fp32(group)
-                flat = cache[id(group)]
-                out[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-            else:
-                value = t.detach().cpu()
-                out[name] = value.float() if value.is_floating_point() else value.clone()
-        return out
-
-    def full_fp32(self, group: FlatGroup) -> torch.Tensor:
-        """The whole flat buffer of ``group`` in fp32 on the CPU (collective at stages 1-3)."""
-        with torch.no_grad():
-            if group.trainable:
-                assert group.master is not None  # a trainable group holds its master shard
-                local = group.master
-                if group.owned == (0, group.layout.padded_numel):
-                    return local.detach().float().cpu()
-            elif not group.sharded:
-                return group.full.detach().float().cpu()
-            else:
-                local = group.shard
-            full = torch.empty(group.layout.padded_numel, dtype=local.dtype, device=local.device)
-            self.comm.all_gather(full, local.detach().contiguous()).wait()
-            return full.float().cpu()
