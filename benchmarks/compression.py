@@ -58,11 +58,11 @@ FREEZE = 2
 CONTROL = ("order_check", "phase_check", "step_check")
 
 
-def _config(arm: str, world: int, lr: float, freeze: int) -> dict:
+def _config(arm: str, world: int, lr: float, freeze: int, beta2: float) -> dict:
     stage, bf16, zero, opt = ARMS[arm]
     params: dict = {"lr": lr}
     if opt == "OneBitAdam":
-        params["freeze_step"] = freeze
+        params.update(freeze_step=freeze, betas=[0.9, beta2])
     config = {"train_batch_size": 2 * world, "optimizer": {"type": opt, "params": params},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                     **zero},
@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     try:
         engine, *_ = meshzero.initialize(model=model, config=_config(
             args.arm, world, 3e-3 if converge else 1e-3,
-            steps if args.arm in BASELINE.values() else max(FREEZE, steps // 5)))
+            steps if args.arm in BASELINE.values() else max(FREEZE, steps // 5), args.beta2))
     except ValueError as exc:  # ConfigError: the optimizer not in this build
         if "OneBitAdam" in str(exc) and rank == 0:
             print_result({"skipped": "OneBitAdam not available"})
@@ -175,14 +175,16 @@ def _bytes_table(nproc: int, arms: list[str]) -> tuple[list[str], bool]:
     return rows, ok
 
 
-def _converge(nproc: int, steps: int, arms: list[str]) -> tuple[list[str], dict, bool]:
+def _converge(nproc: int, steps: int, arms: list[str], beta2: float
+              ) -> tuple[list[str], dict, bool]:
     curves: dict[str, list[float]] = {}
     finals: dict[str, float] = {}
     rows = ["| arm | held-out loss after training | x uncompressed | rule |",
             "|---|---|---|---|"]
     ok = True
     for arm in [a for a in CURVES if a in _with_baselines(arms, converge=True)]:
-        r = run_ranks(__file__, nproc, ["--arm", arm, "--steps", str(steps)])
+        r = run_ranks(__file__, nproc, ["--arm", arm, "--steps", str(steps),
+                                        "--beta2", str(beta2)])
         if "skipped" in r:
             rows.append(f"| {arm} | skipped: {r['skipped']} | | |")
             continue
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> None:
           f"(1-bit Adam: step {FREEZE + 2}, after {FREEZE} warm-up steps)\n")
     print("\n".join(rows))
     if args.steps is not None:
-        conv, curves, conv_ok = _converge(args.nproc, args.steps, arms)
+        conv, curves, conv_ok = _converge(args.nproc, args.steps, arms, args.beta2)
         print(f"\nconvergence, {args.steps} steps\n")
         print("\n".join(conv))
         if args.arms is None:  # the plot shows every arm
@@ -263,6 +265,9 @@ def main() -> None:
     parser.add_argument("--arms", default=None,
                         help="arms to run, separated by ; (with their uncompressed baseline; "
                              "default: all, and only then the plot is written)")
+    parser.add_argument("--beta2", type=float, default=0.999,
+                        help="the 1-bit Adam arms' beta2 (default DeepSpeed's 0.999; GPT "
+                             "recipes use 0.95)")
     parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

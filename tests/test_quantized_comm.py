@@ -103,11 +103,13 @@ def _train(rank: int, world: int, configs: list[dict], steps: int = STEPS) -> li
     for config in configs:
         engine, *_ = meshzero.initialize(model=_model(), config=copy.deepcopy(config))
         losses = []
+        gas = engine.gradient_accumulation_steps()
         for x, y in make_batches("mlp", steps, engine.train_batch_size()):
-            xr, yr = split_for_rank((x, y), rank, world, 1, 0)
-            loss = nn.functional.mse_loss(engine(xr).float(), yr)
-            engine.backward(loss)
-            engine.step()
+            for micro in range(gas):
+                xr, yr = split_for_rank((x, y), rank, world, gas, micro)
+                loss = nn.functional.mse_loss(engine(xr).float(), yr)
+                engine.backward(loss)
+                engine.step()
             losses.append(loss.item())
         out.append((engine.full_state_dict(), losses, engine.comm_report()))
         engine.close()
@@ -153,14 +155,17 @@ def _node_grad(grads: list[list[torch.Tensor]], world: int, per_node: int
 
 
 def _replay(world: int, *, weights: str = "none", grads: bool = False, per_node: int = 1,
-            steps: int = STEPS) -> dict[str, torch.Tensor]:
+            steps: int = STEPS, gas: int = 1, reduce_each_micro: bool = True
+            ) -> dict[str, torch.Tensor]:
     """Plain torch on one process: the master steps with AdamW on the gradient of the
     global batch, computed on the weights as the engine's gathers serve them (``weights``:
-    "all" or "none" int8-quantized per shard) and reduced as qgZ reduces them (``grads``)."""
+    "all" or "none" int8-quantized per shard) and reduced as qgZ reduces them (``grads``):
+    with ``gas`` micro-steps, each micro-step's gradients (``reduce_each_micro``: stages
+    2 and 3) or their sum at the boundary (stage 1)."""
     master = _model()
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD, eps=ADAM_EPS)
     linears = [m for m in master if isinstance(m, nn.Linear)]
-    for x, y in make_batches("mlp", steps, 4 * world):
+    for x, y in make_batches("mlp", steps, 4 * world * gas):
         compute = copy.deepcopy(master)
         if weights == "all":
             with torch.no_grad():
@@ -168,23 +173,36 @@ def _replay(world: int, *, weights: str = "none", grads: bool = False, per_node:
                     w, b = _as_served([lin.weight, lin.bias], world, QWZ_BLOCK, 8)
                     lin.weight.copy_(w)
                     lin.bias.copy_(b)
-        per_rank = []
-        for r in range(world):
-            compute.zero_grad()
-            xr, yr = split_for_rank((x, y), r, world, 1, 0)
-            nn.functional.mse_loss(compute(xr), yr).backward()
-            per_rank.append([[p.grad.clone() for p in lin.parameters()]
-                             for lin in compute if isinstance(lin, nn.Linear)])
+        micros = [_rank_grads(compute, (x, y), world, gas, m) for m in range(gas)]
+        if not reduce_each_micro:  # accumulated on each rank, reduced once
+            micros = [[[[sum(g) for g in zip(*parts, strict=True)]
+                        for parts in zip(*rank_parts, strict=True)]
+                       for rank_parts in zip(*micros, strict=True)]]
         for i, lin in enumerate(linears):
-            ranks = [pr[i] for pr in per_rank]
-            if grads:
-                g = _node_grad(ranks, world, per_node)
-            else:
-                g = [sum(rk[j] for rk in ranks) / world for j in range(2)]
-            lin.weight.grad, lin.bias.grad = g
+            total = [torch.zeros_like(lin.weight), torch.zeros_like(lin.bias)]
+            for per_rank in micros:
+                ranks = [pr[i] for pr in per_rank]
+                g = (_node_grad(ranks, world, per_node) if grads
+                     else [sum(rk[j] for rk in ranks) / world for j in range(2)])
+                total = [t + gj for t, gj in zip(total, g, strict=True)]
+            lin.weight.grad, lin.bias.grad = total
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in master.state_dict().items()}
+
+
+def _rank_grads(compute: nn.Module, batch: tuple, world: int, gas: int, micro: int
+                ) -> list[list[list[torch.Tensor]]]:
+    """Each rank's (weight, bias) gradients of each Linear at micro-step ``micro``, of its
+    loss over ``gas`` (the engine's backward scales it so)."""
+    per_rank = []
+    for r in range(world):
+        compute.zero_grad()
+        xr, yr = split_for_rank(batch, r, world, gas, micro)
+        (nn.functional.mse_loss(compute(xr), yr) / gas).backward()
+        per_rank.append([[p.grad.clone() for p in lin.parameters()]
+                         for lin in compute if isinstance(lin, nn.Linear)])
+    return per_rank
 
 
 def _close(got: dict, want: dict, plain: dict) -> None:
@@ -221,6 +239,26 @@ def test_quantized_gradients_equal_replay(tmp_path, world_size):
     for params, _, comm in runs:
         _close(params, want, plain)
         assert comm["quantized_all_to_all"]["count"] > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_quantized_gradients_with_accumulation_equal_replay(tmp_path, world_size):
+    """qgZ with gradient_accumulation_steps 2: stages 2 and 3 reduce every micro-step's
+    gradient (each one quantized across nodes, then accumulated into the shard), stage 1
+    the sum of the micro-steps once at the boundary. DeepSpeed's stage 3 quantizes each
+    micro-step's reduction too (``DeepSpeedZeroOptimizer_Stage3.__reduce_and_partition_ipg_grads``
+    calls ``all_to_all_quant_reduce`` per bucket, every backward)."""
+    per_node = world_size // 2
+    configs = [dict(_config(world_size, stage, per_node=per_node,
+                            zero_quantized_gradients=True), gradient_accumulation_steps=2,
+                    train_batch_size=8 * world_size) for stage in (1, 2, 3)]
+    runs = run_distributed(_train, world_size, tmp_path, configs, timeout=240)[0]
+    plain = _replay(world_size, gas=2)
+    for stage, (params, _, comm) in zip((1, 2, 3), runs, strict=True):
+        want = _replay(world_size, grads=True, per_node=per_node, gas=2,
+                       reduce_each_micro=stage > 1)
+        _close(params, want, plain)
+        assert comm["quantized_all_to_all"]["count"] == (1 if stage == 1 else 2) * 2, stage
 
 
 def _train_frozen(rank: int, world: int) -> tuple:

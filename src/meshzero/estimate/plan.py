@@ -22,6 +22,9 @@ result:
     ZeRO++ (zero_quantized_weights / _gradients, zero_hpz_partition_size): bytes are
                counted op by op, inside a node over intra_node_bw and across over
                inter_node_bw (estimate/timing.py communication_split; docs/compression.md)
+    1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb; stage 0): the steps after the
+               warm-up, packed signs and scales in place of the all-reduce
+               (estimate/timing.py one_bit_bytes)
 
 Tensor/pipeline parallelism (tp, pp from the config or --tp/--pp) is kept as given, or with
 --search-mesh every tp inside a node and every pp is tried (estimate/mesh_search.py): ZeRO
@@ -45,6 +48,7 @@ from torch import nn
 
 from meshzero.checkpoint.model_files import parse_size
 from meshzero.config import Config, ConfigError, load_config
+from meshzero.config.optimizer import ONE_BIT_OPTIMIZERS
 from meshzero.estimate.core import Estimate, Estimator
 from meshzero.estimate.mesh_search import mesh_settings
 from meshzero.estimate.model import InputsFn, load_model
@@ -389,12 +393,18 @@ def plan(
                      search_mesh)
 
 
-def _trainable_note(base: Settings) -> list[str]:
-    if base.trainable != "all":
-        return []
-    return ["every parameter trainable (frozen ones unfrozen after initialize): each "
-            "configuration holds gradients, masters and optimizer states for all of them "
-            "(--trainable all)"]
+def _setting_notes(base: Settings) -> list[str]:
+    notes = []
+    if base.trainable == "all":
+        notes.append("every parameter trainable (frozen ones unfrozen after initialize): each "
+                     "configuration holds gradients, masters and optimizer states for all of "
+                     "them (--trainable all)")
+    optimizer = base.config.optimizer
+    if optimizer is not None and optimizer.type in ONE_BIT_OPTIMIZERS:
+        notes.append(f"{optimizer.type}: communication is that of a step after the warm-up "
+                     "(packed signs and scales, ZeRO stage 0 only); the warm-up's steps "
+                     "all-reduce the gradients as stage 0 does")
+    return notes
 
 
 def plan_with(estimator: Estimator, base: Settings, cluster: Cluster, assumptions: Assumptions,
@@ -410,10 +420,10 @@ def plan_with(estimator: Estimator, base: Settings, cluster: Cluster, assumption
     options = (False, True) if try_checkpointing else (base.activation_checkpointing,)
     if not search_mesh:
         result = Planner(estimator, base, cluster, assumptions, global_batch).run(options)
-        result.notes.extend(_trainable_note(base))
+        result.notes.extend(_setting_notes(base))
         return result
     meshes, notes = mesh_settings(estimator.spec, base, cluster, estimator.pipeline_layout)
-    notes = [*notes, *_trainable_note(base)]
+    notes = [*notes, *_setting_notes(base)]
     plans, failures = [], []
     for mesh in meshes:
         try:

@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from meshzero.comm.compressed import compressed_bytes
 from meshzero.comm.quantize import packed_bytes
 from meshzero.comm.stats import ring_bytes
+from meshzero.config.optimizer import ONE_BIT_OPTIMIZERS
 from meshzero.estimate.settings import Cluster, Settings
 from meshzero.estimate.states import reuse_kept
 from meshzero.zero.quantized_grads import cross_node_bytes
@@ -48,7 +50,8 @@ def communication_split(layout, s: Settings, ranks_per_node: int) -> tuple[int, 
     qwZ's gathers move ``(n-1) * packed(S)`` bytes (int8 in blocks of 2048 with an fp32
     scale each, comm/quantize.py); hpZ's backward gathers go over its block, inside a node
     when it fits; qgZ reduces inside the node at full precision and sends int4 across
-    (zero/quantized_grads.py)."""
+    (zero/quantized_grads.py). A 1-bit optimizer's steps after its warm-up: see
+    :func:`one_bit_bytes`."""
     zc = s.config.zero_optimization
     n = layout.num_shards
     k = min(ranks_per_node, n)  # qgZ: ranks of a node; n // k nodes
@@ -56,6 +59,9 @@ def communication_split(layout, s: Settings, ranks_per_node: int) -> tuple[int, 
     spans = {"dp": n > ranks_per_node, "hpz": hpz > ranks_per_node, "node": False,
              "cross": n // k > 1}
     out = {True: 0, False: 0}
+    one_bit = one_bit_bytes(layout, s, n)
+    if one_bit is not None:
+        out[spans["dp"]] += one_bit
     kept = reuse_kept(layout, s)
     for g in layout.groups():
         pb = g.padded_numel * s.compute_bytes
@@ -70,7 +76,7 @@ def communication_split(layout, s: Settings, ranks_per_node: int) -> tuple[int, 
                 out[spans["hpz" if hpz > 1 else "dp"]] += s.grad_accum * bwd
         elif s.stage >= 1 and s.trains(g):  # the updated shards, after the step
             out[spans["dp"]] += ring_bytes("all_gather", pb, n)
-        if not s.trains(g):
+        if not s.trains(g) or one_bit is not None:  # 1-bit: no gradient reduction
             continue
         gb = g.padded_numel * s.comm_bytes
         reduces = s.grad_accum if s.stage >= 2 else 1
@@ -82,6 +88,30 @@ def communication_split(layout, s: Settings, ranks_per_node: int) -> tuple[int, 
         else:
             out[spans["dp"]] += reduces * ring_bytes("reduce_scatter", gb, n)
     return out[False], out[True]
+
+
+def one_bit_bytes(layout, s: Settings, n: int) -> int | None:
+    """Bytes one rank sends in a step of a 1-bit optimizer (``OneBitAdam``, ``ZeroOneAdam``,
+    ``OneBitLamb``; ZeRO stage 0) once it compresses, in place of stage 0's all-reduce, as
+    ``comm_report`` counts them; None for any other optimizer.
+
+    The vectors compressed (optimizers/onebit.py): each trained parameter's momentum in
+    fp32, one per param group under bf16/fp16 (the estimate sees one group: every trained
+    parameter), one for all of them with 1-bit LAMB; each costs
+    comm/compressed.py's ``compressed_bytes``, plus the 4-byte all-reduce that keeps the
+    ranks' inf/nan skip alike (``nonfinite_check``). These are 1-bit Adam's and 1-bit LAMB's
+    steps after ``freeze_step`` (before it, stage 0's all-reduce) and 0/1 Adam's
+    synchronising steps (its local steps between them send nothing)."""
+    optimizer = s.config.optimizer
+    if optimizer is None or optimizer.type not in ONE_BIT_OPTIMIZERS:
+        return None
+    trained = [slot.numel for g in layout.groups() if s.trains(g) for slot in g.slots
+               if slot.numel > 0]
+    if n == 1 or not trained:
+        return 0
+    if optimizer.type == "OneBitLamb" or s.precision != "fp32":
+        trained = [sum(trained)]
+    return sum(compressed_bytes(numel, n) for numel in trained) + ring_bytes("all_reduce", 4, n)
 
 
 def offload_seconds(layout, s: Settings, c: Cluster, a: Assumptions) -> float:
