@@ -45,6 +45,7 @@ class RunResult:
     skipped_steps: int = 0
     loss_scales: list[float] = field(default_factory=list)
     layout: list[tuple[int, int, bool, bool]] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)  # last_grad_norm per step
 
 
 def train(rank: int, world_size: int, kind: str, config: dict, steps: int, *,
@@ -55,7 +56,7 @@ def train(rank: int, world_size: int, kind: str, config: dict, steps: int, *,
     batches = make_batches(kind, steps, engine.train_batch_size(), seed)
     loss_fn = loss_fn_for(model)
     gas = engine.gradient_accumulation_steps()
-    losses, scales = [], []
+    losses, scales, norms = [], [], []
     for step, batch in enumerate(batches):
         total = 0.0
         for micro in range(gas):
@@ -68,7 +69,8 @@ def train(rank: int, world_size: int, kind: str, config: dict, steps: int, *,
             total += loss.item() / gas
         losses.append(total)
         scales.append(engine.loss_scale)
+        norms.append(engine.last_grad_norm)
     layout = [(g.layout.numel, g.layout.padded_numel, g.trainable, g.sharded)
               for g in engine.zero.groups]
     return RunResult(engine.full_state_dict(), losses, engine.memory_report(),
-                     engine.comm_report(), engine.skipped_steps, scales, layout)
+                     engine.comm_report(), engine.skipped_steps, scales, layout, norms)

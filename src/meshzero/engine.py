@@ -261,16 +261,11 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         state = self.zero.optim_state
         self.last_grad_norm = None
         if self.zero.finish_unit_steps():  # the tier stepped units in backward
-            overflow = self.guard.check_unit_steps(*self.zero.unit_step_outcome(),
-                                                   step=self.global_steps)
-            if not overflow:
-                state.sync_params(copy=False)
-            return self._finish_step(overflow, t0, lr_kwargs)
+            return self._after_unit_steps(t0, lr_kwargs)
         sq_norm, overflow = self.guard.grad_stats(state, clip=clip,
                                                   replicated_weight=self.norm_weights)
         if not overflow:
-            # gradients were divided by grad_predivide before the sum: the rest of 1 / dp here
-            inv = self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
+            inv = self._unscale()
             norm = None if sq_norm is None else math.sqrt(sq_norm) * inv
             self.last_grad_norm = norm
             coef = 1.0
@@ -279,6 +274,23 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
                 coef = min(1.0, clip / (norm + 1e-6))
             self.zero.optimizer_step(inv * coef)
             state.sync_params()
+        return self._finish_step(overflow, t0, lr_kwargs)
+
+    def _unscale(self) -> float:
+        """What turns the reduced gradients into the mean gradient: they were divided by
+        grad_predivide before the sum, so the rest of 1 / dp, and the loss scale."""
+        return self.zero.options.grad_predivide / (self.dp_comm.size * self.loss_scaler.scale)
+
+    def _after_unit_steps(self, t0: float, lr_kwargs: dict[str, Any] | None) -> bool:
+        """The tier stepped every unit during backward: the ranks agree on refusals, and
+        the gradient norm comes from the norms each unit's finiteness was checked with
+        (None where tensor or pipeline parallelism weights it per parameter)."""
+        sq = None if self.norm_weights is not None else self.zero.unit_steps_sq_norm()
+        overflow, sq = self.guard.check_unit_steps(*self.zero.unit_step_outcome(), sq,
+                                                   step=self.global_steps)
+        if not overflow:
+            self.zero.optim_state.sync_params(copy=False)
+            self.last_grad_norm = None if sq is None else math.sqrt(sq) * self._unscale()
         return self._finish_step(overflow, t0, lr_kwargs)
 
     def was_step_applied(self) -> bool:

@@ -95,10 +95,14 @@ class StepGuard:
             return None
         return lambda values, _: phases.all_reduce(values, CHECK_OP)
 
-    def check_unit_steps(self, stepped: int, refused: int, step: int) -> bool:
-        """After units were stepped during backward: True (skip the step) when every rank
-        refused its first unit for non-finite gradients; raise when some were stepped."""
-        flags = torch.tensor([float(refused > 0), float(stepped > 0)], dtype=torch.float64)
+    def check_unit_steps(self, stepped: int, refused: int, sq_norm: float | None, step: int
+                         ) -> tuple[bool, float | None]:
+        """After units were stepped during backward: (True: skip the step, when every rank
+        refused its first unit for non-finite gradients; the squared global gradient norm
+        from every rank's ``sq_norm``, None if a rank has none), in one all-reduce; raise
+        when some units were stepped and others refused."""
+        flags = torch.tensor([float(refused > 0), float(stepped > 0), sq_norm or 0.0,
+                              float(sq_norm is None)], dtype=torch.float64)
         exchange = self._exchange()
         if exchange is None:
             self.comm.all_reduce(flags, name=CHECK_OP).wait()
@@ -106,9 +110,9 @@ class StepGuard:
             exchange(flags, CHECK_OP)
         for comm in self.model_parallel:
             comm.all_reduce(flags, name=CHECK_OP).wait()
-        any_refused, any_stepped = flags.tolist()
+        any_refused, any_stepped, sq, missing = flags.tolist()
         if not any_refused:
-            return False
+            return False, None if missing else sq
         if any_stepped:
             raise NonFiniteGradientsError(
                 f"step {step}: non-finite gradients reached the optimizer after some units "
@@ -117,7 +121,7 @@ class StepGuard:
                 "applied to part of the model: load the last checkpoint. To have such "
                 "steps skipped whole, set gradient_clipping > 0 or "
                 "engine.overlap_offload_step = False")
-        return True
+        return True, None
 
     def count_skip(self, counters, step: int, loss_scale: float) -> None:
         """Count a skipped step in ``counters.skipped_steps`` and say why."""

@@ -226,6 +226,10 @@ class ZeroModelState(StateReads):
         """Wait for the unit steps of the last backward; True if it stepped everything."""
         return self.tier.finish_unit_steps()
 
+    def unit_steps_sq_norm(self) -> float | None:
+        """This rank's squared gradient norm after the tier stepped units in backward."""
+        return self.tier.unit_steps_sq_norm()
+
     def unit_step_outcome(self) -> tuple[int, int]:
         """(units stepped, units refused for inf/nan gradients) during the last backward."""
         return self.tier.unit_step_outcome()

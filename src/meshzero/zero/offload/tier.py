@@ -281,18 +281,32 @@ class Tier(ABC):
         :func:`~meshzero.zero.grad_scan.scan_grads` sums them (bit-identical); None when
         they do not cover every gradient (accumulated, or a norm wanted in fp64 was taken
         in fp32, or an fp32 norm overflowed: an exact read decides)."""
-        norms, self._norms = self._norms, None
-        groups = [g for gs in self.units for g in gs if g.trainable]
-        if norms is None or len(norms) != len(groups):
+        stacked = self._take_norms()
+        if stacked is None or need_norm and self._norm_dtype != torch.float64:
             return None
-        if need_norm and self._norm_dtype != torch.float64:
-            return None
-        stacked = torch.stack([norms[id(g)].to(torch.float64) for g in groups])
         bad = float((~torch.isfinite(stacked)).sum())
         if bad and self._norm_dtype != torch.float64:
             return None
         sq = float((stacked.square() * 1.0).sum()) if need_norm else 0.0
         return sq, bad
+
+    def unit_steps_sq_norm(self) -> float | None:
+        """This rank's squared gradient norm after units were stepped during backward, from
+        the fp32 norms their finiteness was checked with (summed in fp64); None when they
+        do not cover every gradient or one is not finite."""
+        stacked = self._take_norms()
+        if stacked is None or not bool(torch.isfinite(stacked).all()):
+            return None
+        return float(stacked.square().sum())
+
+    def _take_norms(self) -> torch.Tensor | None:
+        """The norms taken on the device since the boundary backward began, one per
+        trainable group in fp64 (consumed); None unless every group has one."""
+        norms, self._norms = self._norms, None
+        groups = [g for gs in self.units for g in gs if g.trainable]
+        if norms is None or len(norms) != len(groups):
+            return None
+        return torch.stack([norms[id(g)].to(torch.float64) for g in groups])
 
     def write_params(self, group: FlatGroup, target: torch.Tensor) -> None:
         """The updated master of ``group`` into ``target``, its compute-dtype parameters of
