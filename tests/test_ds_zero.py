@@ -53,6 +53,10 @@ def _run_attrs(rank, world_size, stage):
                                      config=zero_config(stage, global_batch=8))
     model = engine.module
     read = _values_as_code_reads_them(model)
+    # a view taken outside any gathered block (``p.T`` as a hand-written linear reads it)
+    # gathers the released parameter as reading ``p.data`` does
+    read.update({f"{name}.T": p.T.detach().clone() for name, p in model.named_parameters()
+                 if p.dim() == 2})
     has_ds = [hasattr(p, "ds_id") for p in model.parameters()]
     head = model.head
     with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0):
@@ -87,6 +91,8 @@ def test_zero3_branch_reads_and_writes_as_plain_torch(tmp_path, world_size, stag
         assert all(has_ds) == (stage == 3) and any(has_ds) == (stage == 3)
         for name, want in plain.items():
             torch.testing.assert_close(read[name], want)
+            if want.dim() == 2:
+                torch.testing.assert_close(read[f"{name}.T"], want.T)
         for name, want in after_init.items():
             torch.testing.assert_close(written[name], want)
         for name, want in trained.items():

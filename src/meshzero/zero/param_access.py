@@ -72,11 +72,16 @@ class ParamInfo:
     ds_tensor: torch.Tensor  # its part of this rank's shard (1-D, possibly empty)
 
 
+# attributes whose reading hands out the elements (the rest: shape, grad, flags)
+_DATA_ATTRIBUTES = tuple(getattr(torch.Tensor, a) for a in ("data", "T", "mT", "H", "mH")
+                         if hasattr(torch.Tensor, a))
+
+
 def _reads_data(func) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
-        # attributes: only reading ``.data`` hands out the elements
-        return name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data
+        owner = getattr(func, "__self__", None)
+        return name == "__get__" and any(owner is a for a in _DATA_ATTRIBUTES)
     return name not in _METADATA
 
 
