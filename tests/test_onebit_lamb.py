@@ -31,9 +31,12 @@ PARAMS = {"lr": 1e-2, "freeze_step": FREEZE, "betas": [0.9, 0.999], "eps": 1e-4,
           "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}
 
 
-def config(stage: int = 0) -> dict:
-    return {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "OneBitLamb", "params": PARAMS}}
+def config(stage: int = 0, bf16: bool = False) -> dict:
+    cfg: dict = {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
+                 "optimizer": {"type": "OneBitLamb", "params": PARAMS}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -111,17 +114,23 @@ class _Replay:
         return self.coeff_freeze[i] * factor
 
 
-def reference(world: int) -> tuple[list[torch.Tensor], list[float]]:
+def reference(world: int, seen: list[list[torch.Tensor]] | None = None
+              ) -> tuple[list[torch.Tensor], list[float]]:
+    """Every step's flat parameters and the LAMB coefficients. ``seen``: the flat gradients
+    each rank's optimizer saw at each step (bf16: the all-reduced mean in the warm-up, its
+    own after), replayed instead of fp32 gradients computed here."""
     replay, history, t = _Replay(world), [], 0
-    for batch in make_batches("mlp", STEPS, BATCH):
+    for step, batch in enumerate(make_batches("mlp", STEPS, BATCH)):
         w = torch.cat([p.reshape(-1) for p in replay.p])
-        grads = [_split(g, replay.p) for g in _local_gradients(w, batch, world)]
+        local = _local_gradients(w, batch, world) if seen is None else seen[step]
+        grads = [_split(g, replay.p) for g in local]
         if t == 0:
             t = 1  # the first step creates the state only
         elif t < max(FREEZE, 2):
             t += 1
-            mean = torch.stack([torch.cat([x.reshape(-1) for x in g]) for g in grads]).sum(0)
-            replay.warmup(t, _split(mean * (1.0 / world), replay.p))
+            mean = (torch.stack(local).sum(0) * (1.0 / world) if seen is None
+                    else local[0])  # the engine's all-reduce: the sum, times 1 / N
+            replay.warmup(t, _split(mean, replay.p))
         else:
             t += 1
             replay.compressed(grads)
@@ -129,31 +138,42 @@ def reference(world: int) -> tuple[list[torch.Tensor], list[float]]:
     return history, replay.coeffs
 
 
-def _train(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[float]]:
-    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config())
-    history, coeffs = [], []
+def _train(rank: int, world_size: int, bf16: bool
+           ) -> tuple[list[torch.Tensor], list[float], list[torch.Tensor]]:
+    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(0, bf16))
+    history, coeffs, seen = [], [], []
+    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(torch.cat(
+        [p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])))
     for batch in make_batches("mlp", STEPS, BATCH):
         x, y = split_for_rank(batch, rank, world_size, 1, 0)
-        engine.backward(mlp_loss(engine(x), y))
+        engine.backward(mlp_loss(engine(x).float(), y))
         engine.step()
         coeffs += engine.optimizer.lamb_coeffs
-        history.append(torch.cat([t.reshape(-1) for t in engine.full_state_dict().values()]))
+        history.append(torch.cat([t.float().reshape(-1)
+                                  for t in engine.full_state_dict().values()]))
     engine.close()
-    return history, coeffs
+    return history, coeffs, seen
 
 
-# W = 4 by default; every world size with -m slow
-@pytest.mark.parametrize("world_size", [
-    pytest.param(1, marks=pytest.mark.slow),
-    pytest.param(2, marks=pytest.mark.slow),
-    4])
-def test_onebit_lamb_equals_plain_replay(tmp_path, world_size):
-    want, coeffs = reference(world_size)
+# W = 4 fp32 and W = 2 bf16 by default; the rest with -m slow
+@pytest.mark.parametrize("world_size,bf16", [
+    pytest.param(1, False, marks=pytest.mark.slow),
+    pytest.param(2, False, marks=pytest.mark.slow),
+    (4, False),
+    pytest.param(1, True, marks=pytest.mark.slow),
+    (2, True),
+    pytest.param(4, True, marks=pytest.mark.slow)])
+def test_onebit_lamb_equals_plain_replay(tmp_path, world_size, bf16):
+    """fp32, and bf16, whose stage 0 all-reduces bf16 gradients in the warm-up (DeepSpeed's
+    ``FP16_Optimizer`` around ``OnebitLamb``): replayed on the gradients the ranks' optimizers
+    saw, all momenta one vector in both (``OnebitLamb.step`` flattens them itself)."""
+    results = run_distributed(_train, world_size, tmp_path, bf16, timeout=300)
+    seen = [list(s) for s in zip(*(r[2] for r in results), strict=True)] if bf16 else None
+    want, coeffs = reference(world_size, seen)
     frozen = coeffs[-10:]
     # the ratios clamp, the frozen factor moves: the test would mean little otherwise
     assert PARAMS["max_coeff"] in coeffs and len(set(frozen)) > 1
-    for rank, (got, got_coeffs) in enumerate(run_distributed(_train, world_size, tmp_path,
-                                                             timeout=300)):
+    for rank, (got, got_coeffs, _) in enumerate(results):
         assert got_coeffs == pytest.approx(coeffs, rel=1e-5)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6,

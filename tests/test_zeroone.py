@@ -35,22 +35,26 @@ PARAMS = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-4, "weight_decay": 0.01,
           "local_step_clipper": 4}
 
 
-def config(stage: int = 0) -> dict:
-    return {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "ZeroOneAdam", "params": PARAMS}}
+def config(stage: int = 0, bf16: bool = False) -> dict:
+    cfg: dict = {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
+                 "optimizer": {"type": "ZeroOneAdam", "params": PARAMS}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 class _Replay:
     """The ranks' state: parameters, m and accumulators per rank; v, counters shared."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, flat: bool = False):
         w = torch.cat([p.detach().reshape(-1) for p in build_model("mlp", 0).parameters()])
-        self.n = world
+        self.n, self.flat = world, flat
         self.w = [w.clone() for _ in range(world)]
         self.m = [torch.zeros_like(w) for _ in range(world)]
         self.acc = [torch.zeros_like(w) for _ in range(world)]
         self.v = torch.zeros_like(w)
-        self.compress = Compressor(param_sizes(flat=False), world)  # fp32: per parameter
+        # fp32: each parameter its own vector; bf16: the param group as one
+        self.compress = Compressor(param_sizes(flat), world)
         self.t, self.lrs, self.frozen = 0, 0.0, False
         self.var_interval, self.var_counter, self.lsi, self.lsc = 1, 0, 1, 0
 
@@ -60,13 +64,15 @@ class _Replay:
         avg = self.compress(vectors)
         return [avg] * self.n
 
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def step(self, grads: list[torch.Tensor], reduced: bool = False) -> None:
+        """``grads``: each rank's local gradient, or (``reduced``) what each rank's optimizer
+        saw: the all-reduced mean on a variance step."""
         (b1, b2), eps, lr, wd = PARAMS["betas"], PARAMS["eps"], PARAMS["lr"], \
             PARAMS["weight_decay"]
         self.t += 1
         frozen, var_step = self.frozen, self.t % self.var_interval == 0
         if not frozen and var_step:  # the engine all-reduced: the sum times 1 / N
-            g = torch.stack(grads).sum(0) * (1.0 / self.n)
+            g = grads[0] if reduced else torch.stack(grads).sum(0) * (1.0 / self.n)
             self.v = b2 * self.v + (1 - b2) * g * g
             self.m = [b1 * m + (1 - b1) * g for m in self.m]
         elif not frozen:
@@ -103,44 +109,59 @@ class _Replay:
                 self.lsc, self.lsi = 0, min(PARAMS["local_step_clipper"], self.lsi * 2)
         if not frozen and self.t > PARAMS["var_freeze_step"]:
             self.frozen = True
-            self.compress = Compressor(param_sizes(flat=False), self.n)  # errors zeroed
+            self.compress = Compressor(param_sizes(self.flat), self.n)  # errors zeroed
 
 
-def reference(world: int) -> list[list[torch.Tensor]]:
-    """Each rank's flat parameters after every step."""
-    replay, history = _Replay(world), []
-    for batch in make_batches("mlp", STEPS, BATCH):
-        grads = [_local_gradients(replay.w[r], batch, world)[r] for r in range(world)]
+def reference(world: int, seen: list[list[torch.Tensor]] | None = None
+              ) -> list[list[torch.Tensor]]:
+    """Each rank's flat parameters after every step. ``seen`` (bf16): the flat gradients
+    each rank's optimizer saw at each step, replayed with the group compressed as one
+    vector, instead of fp32 gradients computed here and compressed per parameter."""
+    replay, history = _Replay(world, flat=seen is not None), []
+    for step, batch in enumerate(make_batches("mlp", STEPS, BATCH)):
+        grads = ([_local_gradients(replay.w[r], batch, world)[r] for r in range(world)]
+                 if seen is None else seen[step])
         if replay.t == 0:
             replay.t = 1  # the first step creates the state only
         else:
-            replay.step(grads)
+            replay.step(grads, reduced=seen is not None)
         history.append([w.clone() for w in replay.w])
     return history
 
 
-def _train(rank: int, world_size: int) -> list[torch.Tensor]:
-    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config())
-    history = []
+def _train(rank: int, world_size: int, bf16: bool) -> tuple[list[torch.Tensor], list]:
+    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(0, bf16))
+    history, seen = [], []
+    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(torch.cat(
+        [p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])))
     for batch in make_batches("mlp", STEPS, BATCH):
         x, y = split_for_rank(batch, rank, world_size, 1, 0)
-        engine.backward(mlp_loss(engine(x), y))
+        engine.backward(mlp_loss(engine(x).float(), y))
         engine.step()
-        history.append(torch.cat([t.reshape(-1) for t in engine.full_state_dict().values()]))
+        history.append(torch.cat([t.float().reshape(-1)
+                                  for t in engine.full_state_dict().values()]))
     engine.close()
-    return history
+    return history, seen
 
 
-# W = 4 by default; every world size with -m slow
-@pytest.mark.parametrize("world_size", [
-    pytest.param(1, marks=pytest.mark.slow),
-    pytest.param(2, marks=pytest.mark.slow),
-    4])
-def test_zero_one_adam_equals_plain_replay(tmp_path, world_size):
-    want = reference(world_size)
+# W = 4 fp32 and W = 2 bf16 by default; the rest with -m slow
+@pytest.mark.parametrize("world_size,bf16", [
+    pytest.param(1, False, marks=pytest.mark.slow),
+    pytest.param(2, False, marks=pytest.mark.slow),
+    (4, False),
+    pytest.param(1, True, marks=pytest.mark.slow),
+    (2, True),
+    pytest.param(4, True, marks=pytest.mark.slow)])
+def test_zero_one_adam_equals_plain_replay(tmp_path, world_size, bf16):
+    """fp32 (each parameter compressed on its own) and bf16 (DeepSpeed's ``FP16_Optimizer``
+    around ``ZeroOneAdam``: the group's flat master, one vector; bf16 gradients all-reduced
+    on variance steps), bf16 replayed on the gradients the ranks' optimizers saw."""
+    results = run_distributed(_train, world_size, tmp_path, bf16, timeout=300)
+    seen = [list(s) for s in zip(*(r[1] for r in results), strict=True)] if bf16 else None
+    want = reference(world_size, seen)
     if world_size > 1:  # the unsynchronised local step moved the ranks apart
         assert not torch.equal(want[10][0], want[10][1])
-    for rank, got in enumerate(run_distributed(_train, world_size, tmp_path, timeout=300)):
+    for rank, (got, _) in enumerate(results):
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w[rank], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, s=step, r=rank: f"rank {r} step {s}: {m}")
