@@ -89,11 +89,12 @@ def test_autocast_equals_plain_torch_autocast(tmp_path, world_size):
 
 
 def test_autocast_refused_with_fp16_naming_both_keys():
-    """(With bf16 it runs: tests/test_autocast_bf16.py.)"""
+    """(With bf16 it runs: tests/test_autocast_bf16.py; a float16 autocast on fp32
+    parameters: tests/test_autocast_fp16.py.)"""
     with pytest.raises(ValueError, match=r"torch_autocast\.enabled and fp16\.enabled"):
         load_config({"torch_autocast": AUTOCAST, "fp16": {"enabled": True}})
-    with pytest.raises(ValueError, match=r"torch_autocast\.dtype.*bfloat16 only"):
-        load_config({"torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    with pytest.raises(ValueError, match=r"torch_autocast\.dtype.*changes nothing"):
+        load_config({"torch_autocast": {"enabled": True, "dtype": "float32"}})
     with pytest.raises(ValueError, match=r"lower_precision_safe_modules.*torch\.nn\.Lienar"):
         load_config({"torch_autocast": {"enabled": True,
                                         "lower_precision_safe_modules": ["torch.nn.Lienar"]}})

@@ -151,7 +151,7 @@ def build(model: nn.Module | Callable[[], nn.Module], config: Config, *,
     compiler = _compiler(model, config, topology, zero)
     return Built(topology=topology, comms=comms, batch=batch, module=model, pipeline=pipe,
                  zero=zero, optimizer=opt, lr_scheduler=scheduler,
-                 loss_scaler=LossScaler.from_config(config.fp16),
+                 loss_scaler=LossScaler.from_config(config.fp16, config.torch_autocast),
                  model_parallel_comms=model_parallel_comms(topology, comms.stats),
                  norm_weights=norm_weights(model, topology, pipe), sequence=sequence,
                  compiler=compiler)

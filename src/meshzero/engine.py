@@ -100,7 +100,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.sequence_parallel = built.sequence  # Ulysses (parallel/sequence.py) or None
         self.counters = StepCounters()
-        self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.fp16.enabled,
+        self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.scales_loss,
                                comm=self.comm, model_parallel=self.model_parallel_comms,
                                rank=self.topology.rank,  # inf/nan gradients: faults/
                                phases=self.zero.phases)  # the step's phase check rides on it
@@ -204,7 +204,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_inputs(args, self.compute_dtype), cast_inputs(
                 kwargs, self.compute_dtype)
-        with self.zero.start_forward(), autocast(self.config.torch_autocast.enabled, self.device):
+        with self.zero.start_forward(), autocast(self.config.torch_autocast, self.device):
             sp = self.sequence_parallel  # Ulysses: runs this rank's sequence chunk
             out = sp.run(self.module, args, kwargs) if sp else self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
@@ -219,7 +219,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         self.profiling.set_phase("backward")
         step_scale = None
         if (self.overlap_offload_step and self.config.gradient_clipping == 0
-                and not self.config.fp16.enabled):
+                and not self.config.scales_loss):
             # nothing global to wait for: step per unit
             step_scale = self.zero.options.grad_predivide / self.dp_comm.size
         self.zero.start_backward(self.reduces_in_backward(), step_scale)

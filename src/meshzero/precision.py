@@ -1,5 +1,5 @@
-"""Loss scaling for fp16 training (bf16 and fp32 need none), as DeepSpeed's dynamic scaler,
-and the ``torch_autocast`` region.
+"""Loss scaling for fp16 training and float16 autocast (bf16 and fp32 need none), as
+DeepSpeed's dynamic scaler, and the ``torch_autocast`` region.
 
 Dynamic scaling: the loss is multiplied by ``scale`` before backward; a step whose gradients
 hold inf/nan on any rank is skipped on every rank. ``hysteresis`` is how many overflows the
@@ -32,8 +32,15 @@ class LossScaler:
     consecutive_hysteresis: bool = False
 
     @classmethod
-    def from_config(cls, fp16: Any) -> LossScaler:
-        """From the config's ``fp16`` block (``loss_scale`` 0 means dynamic)."""
+    def from_config(cls, fp16: Any, autocast: Any = None) -> LossScaler:
+        """From the config's ``fp16`` block (``loss_scale`` 0 means dynamic); else, for a
+        float16 ``torch_autocast``, torch's ``GradScaler`` schedule, which DeepSpeed uses
+        there (``torch.amp.GradScaler`` in runtime/zero/stage_1_and_2.py, stage3.py and, at
+        stage 0, engine.py): 2**16, halved at every overflow (no hysteresis, no floor),
+        doubled after 2000 clean steps in a row."""
+        if not fp16.enabled and autocast is not None and autocast.scales_loss:
+            return cls(scale=float(2 ** 16), dynamic=True, window=2000, hysteresis=1,
+                       min_scale=0.0, hysteresis_left=1)
         if not fp16.enabled:
             return cls()
         if fp16.loss_scale > 0:
@@ -74,14 +81,15 @@ class LossScaler:
             setattr(self, key, value)
 
 
-def autocast(enabled: bool, device: torch.device) -> AbstractContextManager[Any]:
-    """``torch_autocast``: the forward under ``torch.autocast`` in bf16 (the one dtype the
-    config accepts). Alone, parameters, master and gradients stay fp32; with bf16.enabled
-    they are what bf16 makes them (bf16 parameters and gradients, the master as the bf16
-    keys say) and autocast runs the ops it lists as fp32 (losses, norms) in fp32."""
-    if not enabled:
+def autocast(config: Any, device: torch.device) -> AbstractContextManager[Any]:
+    """``torch_autocast`` (its config section): the forward under ``torch.autocast`` in
+    its dtype. Alone, parameters, master and gradients stay fp32 (float16: the loss scaled
+    as :meth:`LossScaler.from_config` says); with bf16.enabled they are what bf16 makes
+    them (bf16 parameters and gradients, the master as the bf16 keys say) and autocast runs
+    the ops it lists as fp32 (losses, norms) in fp32."""
+    if not config.enabled:
         return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=config.torch_dtype)
 
 
 def cast_inputs(obj: Any, dtype: torch.dtype) -> Any:

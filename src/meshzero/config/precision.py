@@ -44,10 +44,10 @@ class DataTypesConfig(Section):
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
 
 
-# DeepSpeed's DtypeEnum spellings of the one autocast dtype meshzero runs
-_AUTOCAST_BF16 = ("bf16", "bfloat16", "bfloat", "torch.bfloat16")
-_AUTOCAST_OTHER = ("fp16", "float16", "half", "torch.float16", "fp32", "float32", "float",
-                   "torch.float32")
+# DeepSpeed's DtypeEnum spellings of the autocast dtypes meshzero runs, and of the one it does not
+_AUTOCAST_DTYPES = {"bfloat16": ("bf16", "bfloat16", "bfloat", "torch.bfloat16"),
+                    "float16": ("fp16", "float16", "half", "torch.float16")}
+_AUTOCAST_OTHER = ("fp32", "float32", "float", "torch.float32")
 # DeepSpeed's default lower_precision_safe_modules
 SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
 
@@ -55,8 +55,9 @@ SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.
 class TorchAutocastConfig(Section):
     """`torch_autocast` (DeepSpeed >= 0.16): the forward run under ``torch.autocast(dtype)``,
     from fp32 parameters, master and gradients, or with bf16.enabled from bf16 parameters
-    (bf16 gradients; the master and optimizer states as bf16's keys say). Only bfloat16 is
-    accepted (fp16 autocast needs loss scaling meshzero does not apply to it).
+    (bf16 gradients; the master and optimizer states as bf16's keys say). ``dtype`` bfloat16
+    (the default) or float16; float16 scales the loss dynamically on torch's
+    ``GradScaler`` schedule (precision.py), as DeepSpeed's ZeRO optimizers and stage 0 do.
     lower_precision_safe_modules (dotted class names) must import as nn.Module classes;
     DeepSpeed also reduces those modules' gradients in the autocast dtype. Alone, meshzero
     reduces every gradient in communication_data_type (fp32 by default): more bytes, no
@@ -69,14 +70,24 @@ class TorchAutocastConfig(Section):
 
     @field_validator("dtype", mode="before")
     @classmethod
-    def _bf16_only(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.lower() in _AUTOCAST_BF16:
-            return "bfloat16"
+    def _half_dtypes(cls, value: Any) -> Any:
+        for name, spellings in _AUTOCAST_DTYPES.items():
+            if isinstance(value, str) and value.lower() in spellings:
+                return name
+        valid = ", ".join(s for spellings in _AUTOCAST_DTYPES.values() for s in spellings)
         if isinstance(value, str) and value.lower() in _AUTOCAST_OTHER:
-            raise InvalidValue("is not supported yet: meshzero runs torch_autocast in "
-                               "bfloat16 only (fp16 autocast needs loss scaling); use "
-                               "'bfloat16', or fp16.enabled")
-        raise InvalidValue(f"is not a dtype; valid: {', '.join(_AUTOCAST_BF16)}")
+            raise InvalidValue("is not supported: an fp32 autocast changes nothing; valid: "
+                               f"{valid} (or torch_autocast.enabled false)")
+        raise InvalidValue(f"is not a dtype; valid: {valid}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float16 if self.dtype == "float16" else torch.bfloat16
+
+    @property
+    def scales_loss(self) -> bool:
+        """A float16 autocast: the loss is scaled (torch's GradScaler schedule)."""
+        return self.enabled and self.dtype == "float16"
 
     @field_validator("lower_precision_safe_modules")
     @classmethod

@@ -231,6 +231,13 @@ class Config(BaseModel):
         return torch.bfloat16 if self.bf16.enabled else torch.float32
 
     @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16, or a float16 torch_autocast): the step then
+        skips on an overflow as the loss scaler's business, and needs every gradient's
+        finiteness before any unit steps."""
+        return self.fp16.enabled or self.torch_autocast.scales_loss
+
+    @property
     def master_dtype(self) -> torch.dtype:
         """The master's dtype: bf16 with bf16.bf16_master_weights_and_grads, else fp32."""
         return torch.bfloat16 if self.bf16.bf16_master_weights_and_grads else torch.float32
@@ -314,19 +321,25 @@ def _mesh_problems(config: Config) -> list[str]:
 
 
 def _autocast_problems(config: Config) -> list[str]:
-    """torch_autocast runs the forward under torch.autocast(bf16): from fp32 parameters, or
-    with bf16.enabled from bf16 ones (DeepSpeed's bf16 + torch_autocast recipe: the ops
-    autocast lists as fp32, losses and reductions, then compute in fp32). fp16 parameters
-    under a bf16 autocast are not a DeepSpeed mode (its fp16 + autocast runs autocast in
-    fp16 with fp16 master weights)."""
-    if not config.torch_autocast.enabled:
+    """torch_autocast runs the forward under torch.autocast(dtype): from fp32 parameters
+    (bf16, or float16 with torch's GradScaler loss scaling), or in bf16 with bf16.enabled
+    from bf16 ones (DeepSpeed's bf16 + torch_autocast recipe: the ops autocast lists as
+    fp32, losses and reductions, then compute in fp32). fp16 parameters under autocast are
+    refused: two loss scalers (fp16's and the GradScaler DeepSpeed's ZeRO optimizers make
+    for a float16 autocast) would both claim the loss."""
+    ac = config.torch_autocast
+    if not ac.enabled:
         return []
     problems = []
     if config.fp16.enabled:
-        problems.append("torch_autocast.enabled and fp16.enabled are both true: meshzero's "
-                        "autocast is bf16 and DeepSpeed's fp16 autocast needs fp16 master "
-                        "weights, which meshzero does not implement; use bf16.enabled (or "
-                        "torch_autocast alone)")
+        problems.append("torch_autocast.enabled and fp16.enabled are both true: not "
+                        "supported (fp16's loss scaler and a float16 autocast's GradScaler "
+                        "would both scale the loss); use torch_autocast with dtype "
+                        "'float16' and fp32 parameters, or fp16.enabled alone")
+    if config.bf16.enabled and ac.dtype == "float16":
+        problems.append("torch_autocast.dtype 'float16' with bf16.enabled: bf16 parameters "
+                        "under a float16 autocast would round twice; use dtype 'bfloat16' "
+                        "with bf16, or float16 autocast alone")
     if config.pipeline_parallel.size > 1:
         problems.append("torch_autocast.enabled with pipeline_parallel.size > 1 is not "
                         "supported yet: the pipeline's stages run outside the autocast region")
