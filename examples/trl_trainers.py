@@ -152,6 +152,10 @@ def run_case(case: str, args: argparse.Namespace) -> None:
         info["memory"] = {name: report["params"] for name, report
                           in trainer.memory_report().items()}
         info["frozen"] = {name: info["memory"][name] for name in trainer.frozen_engines}
+        # the policy's full fp32 bytes (ds_numel: a stage-3 parameter's whole size)
+        info["full_bytes"] = 4 * sum(getattr(p, "ds_numel", p.numel())
+                                     for p in trainer.model.parameters())
+        info["world"] = trainer.args.world_size
     else:
         info["frozen"] = {}
     info["ref_model"] = type(getattr(trainer, "ref_model", None)).__name__

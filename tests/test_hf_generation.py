@@ -88,14 +88,7 @@ def _frozen(rank: int, world_size: int) -> tuple:
 
     trainer = Trainer()
     raw = zero_config(2, global_batch=2 * world_size)  # the run's config: stage 2, AdamW
-    try:
-        engines = shard_frozen_models(trainer, raw)
-    except ValueError as exc:
-        if "no optimizer" in str(exc):
-            return ("skip", str(exc))
-        raise
-    if not engines:
-        return ("skip", "no optimizer-less engine")
+    engines = shard_frozen_models(trainer, raw)
     assert isinstance(trainer.ref_model, FrozenModel) and trainer.reward_funcs[0] is len
     tokens = _prompts(rank)
     ref = trainer.ref_model(input_ids=tokens).logits
@@ -110,8 +103,6 @@ def test_frozen_models_become_stage_3_engines_without_optimizer(tmp_path, world_
                                                                  caplog) -> None:
     caplog.set_level(logging.INFO)
     results = run_distributed(_frozen, world_size, tmp_path, timeout=240)
-    if results[0][0] == "skip":
-        pytest.skip(f"meshzero.initialize without an optimizer: {results[0][1]}")
     numel = sum(p.numel() for p in tiny_llama().parameters())
     for rank, (names, ref, reward, hidden, optimizer, stage, report) in enumerate(results):
         assert names == ["ref_model", "reward_funcs[1]"] and hidden == 32

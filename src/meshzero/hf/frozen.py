@@ -64,17 +64,10 @@ def frozen_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _frozen_engine(model: nn.Module, raw: dict[str, Any], what: str) -> meshzero.Engine | None:
+def _frozen_engine(model: nn.Module, raw: dict[str, Any], what: str) -> meshzero.Engine:
     for p in model.parameters():
         p.requires_grad_(False)
-    try:
-        engine, *_ = meshzero.initialize(model=model, config=frozen_config(raw))
-    except ValueError as exc:
-        if "no optimizer" not in str(exc):
-            raise
-        logger.warning("%s stays a full replica on every rank: this meshzero builds no engine "
-                       "without an optimizer (%s)", what, exc)
-        return None
+    engine, *_ = meshzero.initialize(model=model, config=frozen_config(raw))
     logger.info("%s: a ZeRO-3 engine without an optimizer (forward only)", what)
     return engine
 
@@ -87,18 +80,14 @@ def shard_frozen_models(trainer: Any, raw: dict[str, Any]) -> dict[str, meshzero
     for attr in FROZEN_ATTRIBUTES:
         model = getattr(trainer, attr, None)
         if isinstance(model, nn.Module) and not isinstance(model, FrozenModel):
-            engine = _frozen_engine(model, raw, attr)
-            if engine is not None:
-                engines[attr] = engine
-                setattr(trainer, attr, FrozenModel(engine))
+            engines[attr] = _frozen_engine(model, raw, attr)
+            setattr(trainer, attr, FrozenModel(engines[attr]))
     for attr in FROZEN_LISTS:
         models = getattr(trainer, attr, None)
         if not isinstance(models, list):
             continue
         for i, model in enumerate(models):
             if isinstance(model, nn.Module) and not isinstance(model, FrozenModel):
-                engine = _frozen_engine(model, raw, f"{attr}[{i}]")
-                if engine is not None:
-                    engines[f"{attr}[{i}]"] = engine
-                    models[i] = FrozenModel(engine)
+                engine = engines[f"{attr}[{i}]"] = _frozen_engine(model, raw, f"{attr}[{i}]")
+                models[i] = FrozenModel(engine)
     return engines
