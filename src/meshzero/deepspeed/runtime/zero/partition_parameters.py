@@ -168,11 +168,14 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     """DeepSpeed's `deepspeed.zero.register_external_parameter`: accepted, nothing to do.
 
     Accepted; meshzero gathers a parameter wherever it is used, so nothing needs
-    registering."""
-    if not isinstance(module, nn.Module) or not isinstance(parameter, torch.Tensor):
+    registering. A ``parameter`` that is not an ``nn.Parameter`` raises RuntimeError, as
+    DeepSpeed's does."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError(f"register_external_parameter: the parameter is a "
+                           f"{type(parameter).__name__}, not a torch.nn.Parameter")
+    if not isinstance(module, nn.Module):
         raise ValueError(f"register_external_parameter(module, parameter) needs an "
-                         f"nn.Module and a parameter, got {type(module).__name__} and "
-                         f"{type(parameter).__name__}")
+                         f"nn.Module, got {type(module).__name__}")
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
