@@ -82,7 +82,7 @@ def _plain_after_init(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 3), (4, 3)])
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (1, 3), (2, 3), (4, 3)])
 def test_zero3_branch_reads_and_writes_as_plain_torch(tmp_path, world_size, stage):
     plain = build_model("mlp").state_dict()
     after_init, trained = _plain_after_init(0), _plain_after_init(2)
@@ -128,7 +128,7 @@ def _build_under_init(rank, world_size):
     return written, engine.full_state_dict()
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_writes_inside_zero_init_reach_the_trained_model(tmp_path, world_size):
     torch.manual_seed(0)
     model = build_model("mlp")
@@ -249,3 +249,39 @@ def _dropped_engine_frees(rank, world_size):
 def test_the_owner_registry_holds_nothing_alive(tmp_path):
     """A parameter kept after its engine is dropped holds no state: the registry is weak."""
     assert run_distributed(_dropped_engine_frees, 1, tmp_path) == [(True, True, False)]
+
+
+def _gathered_keywords(rank, world_size):
+    engine, *_ = meshzero.initialize(model=build_model("mlp"),
+                                     config=zero_config(3, global_batch=8))
+    fc1 = engine.module.blocks[0].fc1
+    # enabled=False (as code writes ``enabled=zero_stage == 3``): no gathered block, and
+    # a read inside still sees the full values (gathered on use)
+    with deepspeed.zero.GatheredParameters([fc1.weight], enabled=False):
+        read = fc1.weight.data.clone()
+    # fwd_module (DeepSpeed registers the params as its external parameters meanwhile):
+    # the modifier's write reaches every rank as without it
+    with deepspeed.zero.GatheredParameters([fc1.weight, fc1.bias], modifier_rank=0,
+                                           fwd_module=engine.module.blocks[0]):
+        if rank == 0:
+            with torch.no_grad():
+                fc1.bias.fill_(0.25)
+    written = engine.full_state_dict()
+    engine.close()
+    return read, written
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gathered_parameters_enabled_and_fwd_module_on_sharded_params(tmp_path, world_size):
+    """``GatheredParameters(params, modifier_rank, fwd_module, enabled)``
+    (deepspeed/runtime/zero/partition_parameters.py): ``enabled=False`` makes the block a
+    no-op, ``fwd_module`` registers the parameters as the module's external ones while
+    gathered (nothing to do here: meshzero gathers wherever a parameter is used), and the
+    modifier rank's write is broadcast on exit, on a stage-3 engine's parameters."""
+    plain = build_model("mlp").state_dict()
+    for read, written in run_distributed(_gathered_keywords, world_size, tmp_path):
+        torch.testing.assert_close(read, plain["blocks.0.fc1.weight"])
+        for name, want in plain.items():
+            if name == "blocks.0.fc1.bias":
+                want = torch.full_like(want, 0.25)
+            torch.testing.assert_close(written[name], want, msg=name)
