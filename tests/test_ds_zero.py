@@ -187,7 +187,8 @@ def _run_moe(rank, world_size):
     return units, engine.full_state_dict()
 
 
-def test_leaf_module_is_one_unit_and_trains_as_plain_torch(tmp_path):
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_leaf_module_is_one_unit_and_trains_as_plain_torch(tmp_path, world_size):
     model = _moe_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS,
                             foreach=False)
@@ -198,7 +199,7 @@ def test_leaf_module_is_one_unit_and_trains_as_plain_torch(tmp_path):
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
-    for units, final in run_distributed(_run_moe, 2, tmp_path):
+    for units, final in run_distributed(_run_moe, world_size, tmp_path):
         # unmarked, each expert (a ModuleList of repeated Linears) would be a unit
         assert "1" in units and not any(u.startswith("1.") for u in units), units
         for name, want in model.state_dict().items():
