@@ -58,6 +58,27 @@ def test_cpu_accelerator_answers_as_deepspeeds(monkeypatch):
         assert deepspeed.get_accelerator()._name == "cpu"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_accelerator_answers_as_deepspeeds():
+    """CUDA_Accelerator (accelerator/cuda_accelerator.py): 'cuda' / 'cuda:N', nccl, the
+    device count, synchronize, and the caching allocator's memory counters."""
+    from meshzero.deepspeed.accelerator.devices import CUDA_Accelerator
+
+    acc = CUDA_Accelerator()
+    assert (acc.device_name(), acc.device_name(0)) == ("cuda", "cuda:0")
+    assert acc.device_count() == torch.cuda.device_count() and acc.is_available()
+    assert acc.communication_backend_name() == "nccl"
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    blob = torch.ones(64 * 2**20 // 4, device="cuda")  # 64 MiB
+    acc.synchronize()
+    assert acc.memory_allocated() - before >= 64 * 2**20
+    assert acc.max_memory_allocated() >= acc.memory_allocated()
+    assert 0 < acc.available_memory() <= acc.total_memory()
+    assert acc.on_accelerator(blob) and not acc.on_accelerator(blob.cpu())
+    assert deepspeed.get_accelerator().device_name() == "cuda"
+
+
 def test_add_config_arguments_parses_deepspeeds_flags():
     """The flags DeepSpeed's _add_core_arguments adds, with its defaults; the tuning flags of
     add_tuning_arguments."""
