@@ -215,6 +215,10 @@ def main():
     ref_engine.eval()
     for engine in (actor_engine, ref_engine):
         init_value_head(engine.module, args.global_rank)
+        with deepspeed.zero.GatheredParameters([engine.module.v_head.weight]):
+            head = engine.module.v_head.weight.detach().float()
+            print(f"value head on rank {args.global_rank}: norm {float(head.norm()):.8f}",
+                  flush=True)
 
     ref_norm = get_model_norm(ref_engine.module)
     print_rank_0(f"actor lr {actor_engine.get_lr()[0]:.6f} "

@@ -65,12 +65,19 @@ CHAT_STEP = re.compile(r"^step\s+(\d+)\s+loss\s+(\S+)\s+kl\s+(\S+)$", re.MULTILI
 
 
 def test_deepspeed_chat_style_example(tmp_path) -> None:
-    """Actor + frozen ZeRO-3 reference: the KL starts at 0 (same weights, the value head
-    written by rank 0 under GatheredParameters on both) and grows; the reference never
-    changes; the ZeRO-3 save gathers full tensors."""
+    """Actor + frozen ZeRO-3 reference on 2 ranks: the value head rank 0 writes under
+    GatheredParameters(modifier_rank=0) is what every rank holds, in both engines; the KL
+    starts at 0 (same weights) and grows; the reference never changes; the ZeRO-3 save
+    gathers full tensors."""
     import torch
 
-    out = _run_example("deepspeed_chat_style.py", "--output_dir", str(tmp_path), "--steps", "6")
+    out = _run_example("deepspeed_chat_style.py", "--output_dir", str(tmp_path), "--steps", "6",
+                       ranks=2)
+    torch.manual_seed(7)  # init_value_head's draw on rank 0
+    want = float(torch.empty(1, 32).normal_(mean=0.0, std=1 / 33).norm())
+    heads = [float(n) for n in re.findall(r"^value head on rank \d: norm (\S+)$", out,
+                                          re.MULTILINE)]
+    assert len(heads) == 4 and all(abs(h - want) < 1e-6 for h in heads), (heads, want)
     steps = [(float(loss), float(kl)) for _, loss, kl in CHAT_STEP.findall(out)]
     assert len(steps) == 6, out
     assert abs(steps[0][1]) < 1e-6 and steps[-1][1] > 1e-4, steps
