@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 import pytest
 import torch
@@ -64,10 +65,25 @@ def _train_and_save(rank: int, world_size: int, stage: int, use_lora: bool, tie:
         loss = engine(input_ids=rows, labels=rows).loss
         engine.backward(loss)
         engine.step()
+    # the full fp32 groups alive at once while saving (each gathered from its shards)
+    live: list[weakref.ref] = []
+    peak = [0]
+    inner = engine.zero.full_fp32
+
+    def tracked(group):
+        flat = inner(group)
+        live[:] = [r for r in live if r() is not None] + [weakref.ref(flat)]
+        peak[0] = max(peak[0], sum(r().numel() * 4 for r in live if r() is not None))
+        return flat
+
+    engine.zero.full_fp32 = tracked
     save_pretrained(engine, out, max_shard_size=20_000)  # a few shards for the full model
+    del engine.zero.full_fp32
+    sizes = sorted(g.layout.padded_numel * 4 for g in engine.zero.groups)
+    held = (peak[0], sum(sizes[-2:]), sum(sizes))
     engine.eval()
     with torch.no_grad():
-        return engine(input_ids=tokens).logits
+        return engine(input_ids=tokens).logits, held
 
 
 def _load_logits(out, use_lora: bool, tie: bool) -> torch.Tensor:
@@ -110,6 +126,10 @@ def test_save_loads_back_to_the_trained_model(tmp_path, world_size, stage, use_l
         assert ("lm_head.weight" in index["weight_map"]) is not tie  # dropped as HF drops it
         assert json.loads((out / "config.json").read_text())["architectures"] == [
             "LlamaForCausalLM"]
+    if not use_lora:  # one group gathered at a time (the last one's tensor still queued)
+        for _, (peak, two_largest, whole) in logits:
+            assert 0 < peak <= two_largest < whole, (peak, two_largest, whole)
+    logits = [got for got, _ in logits]
     for got in logits:  # every rank's forward of the trained model is the same
         assert (got - logits[0]).abs().max().item() == 0.0
     loaded = _load_logits(out, use_lora, tie)
