@@ -77,6 +77,16 @@ def test_choose_mode_says_why(caplog) -> None:
     assert generation.choose_mode(Engine(), False)[0] == "per_unit"  # type: ignore[arg-type]
     Engine.zero.sharder.units = [[type("G", (), {"full_nbytes": 1024})()]]
     assert generation.choose_mode(Engine())[0] == "once"  # type: ignore[arg-type]
+    # wrap_generate says which it chose, and why, in one INFO line
+    caplog.set_level(logging.INFO, logger="meshzero.hf.generation")
+    for gather, words in ((None, "once for each generate call (the full model"),
+                          (False, "unit by unit per token")):
+        caplog.clear()
+        engine = Engine()
+        engine.module = type("M", (), {"generate": lambda self, *a, **k: None})()
+        generation.wrap_generate(engine, gather)  # type: ignore[arg-type]
+        assert f"generate at ZeRO stage 3: parameters gathered {words}" in caplog.text, \
+            caplog.text
 
 
 def _frozen(rank: int, world_size: int) -> tuple:
