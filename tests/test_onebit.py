@@ -154,11 +154,44 @@ def reference(world: int, seen: list[list[torch.Tensor]] | None = None,
     return history
 
 
-def _train(rank: int, world_size: int, dtype: str) -> dict:
-    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(dtype))
-    history, reports, seen = [], [], []
+def family_config(kind: str, params: dict, batch: int, stage: int = 0,
+                  bf16: bool = False) -> dict:
+    """A config with the 1-bit optimizer ``kind`` (its ``params``), fp32 or bf16."""
+    cfg: dict = {"train_batch_size": batch, "zero_optimization": {"stage": stage},
+                 "optimizer": {"type": kind, "params": params}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def record_seen_gradients(engine) -> list[torch.Tensor]:
+    """The flat gradients the engine's optimizer sees at each step (a step pre-hook): what a
+    bf16 replay runs on, since bf16 gradients differ by an ulp between the engine's views
+    into its flat buffer and separate tensors."""
+    seen: list[torch.Tensor] = []
     engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(torch.cat(
         [p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])))
+    return seen
+
+
+def by_step(per_rank: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Each rank's seen gradients, regrouped as each step's list over the ranks."""
+    return [list(s) for s in zip(*per_rank, strict=True)]
+
+
+# the 1-bit family's equivalence runs: W = 4 fp32 and W = 2 bf16 by default, the rest slow
+FP32_AND_BF16 = pytest.mark.parametrize("world_size,bf16", [
+    pytest.param(1, False, marks=pytest.mark.slow),
+    pytest.param(2, False, marks=pytest.mark.slow),
+    (4, False),
+    pytest.param(1, True, marks=pytest.mark.slow),
+    (2, True),
+    pytest.param(4, True, marks=pytest.mark.slow)])
+
+
+def _train(rank: int, world_size: int, dtype: str) -> dict:
+    engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(dtype))
+    history, reports, seen = [], [], record_seen_gradients(engine)
     for batch in make_batches("mlp", STEPS, BATCH):
         x, y = split_for_rank(batch, rank, world_size, 1, 0)
         engine.backward(mlp_loss(engine(x).float(), y))
@@ -195,8 +228,7 @@ def test_onebit_adam_equals_plain_replay(tmp_path, world_size, dtype):
         want = reference(world_size)
     else:  # bf16 LayerNorm gradients differ by an ulp between the engine's views into its
         # flat buffer and separate tensors: replay on the gradients the ranks saw
-        want = reference(world_size, [list(s) for s in zip(*(r["seen"] for r in results),
-                                                            strict=True)], flat=True)
+        want = reference(world_size, by_step([r["seen"] for r in results]), flat=True)
     tol = {"rtol": 1e-5, "atol": 1e-6}
     sizes = param_sizes(flat=dtype != "fp32")
     for rank, got in enumerate(results):

@@ -23,7 +23,14 @@ import meshzero
 from meshzero.comm.compressed import padded_numel
 from tests.distributed import run_distributed
 from tests.models import build_model, make_batches, mlp_loss, split_for_rank
-from tests.test_onebit import _local_gradients, _one_bit_mean
+from tests.test_onebit import (
+    FP32_AND_BF16,
+    _local_gradients,
+    _one_bit_mean,
+    by_step,
+    family_config,
+    record_seen_gradients,
+)
 
 STEPS, FREEZE, BATCH = 7, 3, 8
 PARAMS = {"lr": 1e-2, "freeze_step": FREEZE, "betas": [0.9, 0.999], "eps": 1e-4,
@@ -32,11 +39,7 @@ PARAMS = {"lr": 1e-2, "freeze_step": FREEZE, "betas": [0.9, 0.999], "eps": 1e-4,
 
 
 def config(stage: int = 0, bf16: bool = False) -> dict:
-    cfg: dict = {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
-                 "optimizer": {"type": "OneBitLamb", "params": PARAMS}}
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
-    return cfg
+    return family_config("OneBitLamb", PARAMS, BATCH, stage, bf16)
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,9 +144,7 @@ def reference(world: int, seen: list[list[torch.Tensor]] | None = None
 def _train(rank: int, world_size: int, bf16: bool
            ) -> tuple[list[torch.Tensor], list[float], list[torch.Tensor]]:
     engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(0, bf16))
-    history, coeffs, seen = [], [], []
-    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(torch.cat(
-        [p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])))
+    history, coeffs, seen = [], [], record_seen_gradients(engine)
     for batch in make_batches("mlp", STEPS, BATCH):
         x, y = split_for_rank(batch, rank, world_size, 1, 0)
         engine.backward(mlp_loss(engine(x).float(), y))
@@ -155,20 +156,13 @@ def _train(rank: int, world_size: int, bf16: bool
     return history, coeffs, seen
 
 
-# W = 4 fp32 and W = 2 bf16 by default; the rest with -m slow
-@pytest.mark.parametrize("world_size,bf16", [
-    pytest.param(1, False, marks=pytest.mark.slow),
-    pytest.param(2, False, marks=pytest.mark.slow),
-    (4, False),
-    pytest.param(1, True, marks=pytest.mark.slow),
-    (2, True),
-    pytest.param(4, True, marks=pytest.mark.slow)])
+@FP32_AND_BF16
 def test_onebit_lamb_equals_plain_replay(tmp_path, world_size, bf16):
     """fp32, and bf16, whose stage 0 all-reduces bf16 gradients in the warm-up (DeepSpeed's
     ``FP16_Optimizer`` around ``OnebitLamb``): replayed on the gradients the ranks' optimizers
     saw, all momenta one vector in both (``OnebitLamb.step`` flattens them itself)."""
     results = run_distributed(_train, world_size, tmp_path, bf16, timeout=300)
-    seen = [list(s) for s in zip(*(r[2] for r in results), strict=True)] if bf16 else None
+    seen = by_step([r[2] for r in results]) if bf16 else None
     want, coeffs = reference(world_size, seen)
     frozen = coeffs[-10:]
     # the ratios clamp, the frozen factor moves: the test would mean little otherwise

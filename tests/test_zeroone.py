@@ -27,7 +27,15 @@ import torch
 import meshzero
 from tests.distributed import run_distributed
 from tests.models import build_model, make_batches, mlp_loss, split_for_rank
-from tests.test_onebit import Compressor, _local_gradients, param_sizes
+from tests.test_onebit import (
+    FP32_AND_BF16,
+    Compressor,
+    _local_gradients,
+    by_step,
+    family_config,
+    param_sizes,
+    record_seen_gradients,
+)
 
 STEPS, BATCH = 12, 8
 PARAMS = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-4, "weight_decay": 0.01,
@@ -36,11 +44,7 @@ PARAMS = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-4, "weight_decay": 0.01,
 
 
 def config(stage: int = 0, bf16: bool = False) -> dict:
-    cfg: dict = {"train_batch_size": BATCH, "zero_optimization": {"stage": stage},
-                 "optimizer": {"type": "ZeroOneAdam", "params": PARAMS}}
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
-    return cfg
+    return family_config("ZeroOneAdam", PARAMS, BATCH, stage, bf16)
 
 
 class _Replay:
@@ -131,9 +135,7 @@ def reference(world: int, seen: list[list[torch.Tensor]] | None = None
 
 def _train(rank: int, world_size: int, bf16: bool) -> tuple[list[torch.Tensor], list]:
     engine, _, _, _ = meshzero.initialize(model=build_model("mlp", 0), config=config(0, bf16))
-    history, seen = [], []
-    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(torch.cat(
-        [p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])))
+    history, seen = [], record_seen_gradients(engine)
     for batch in make_batches("mlp", STEPS, BATCH):
         x, y = split_for_rank(batch, rank, world_size, 1, 0)
         engine.backward(mlp_loss(engine(x).float(), y))
@@ -144,20 +146,13 @@ def _train(rank: int, world_size: int, bf16: bool) -> tuple[list[torch.Tensor], 
     return history, seen
 
 
-# W = 4 fp32 and W = 2 bf16 by default; the rest with -m slow
-@pytest.mark.parametrize("world_size,bf16", [
-    pytest.param(1, False, marks=pytest.mark.slow),
-    pytest.param(2, False, marks=pytest.mark.slow),
-    (4, False),
-    pytest.param(1, True, marks=pytest.mark.slow),
-    (2, True),
-    pytest.param(4, True, marks=pytest.mark.slow)])
+@FP32_AND_BF16
 def test_zero_one_adam_equals_plain_replay(tmp_path, world_size, bf16):
     """fp32 (each parameter compressed on its own) and bf16 (DeepSpeed's ``FP16_Optimizer``
     around ``ZeroOneAdam``: the group's flat master, one vector; bf16 gradients all-reduced
     on variance steps), bf16 replayed on the gradients the ranks' optimizers saw."""
     results = run_distributed(_train, world_size, tmp_path, bf16, timeout=300)
-    seen = [list(s) for s in zip(*(r[1] for r in results), strict=True)] if bf16 else None
+    seen = by_step([r[1] for r in results]) if bf16 else None
     want = reference(world_size, seen)
     if world_size > 1:  # the unsynchronised local step moved the ranks apart
         assert not torch.equal(want[10][0], want[10][1])
