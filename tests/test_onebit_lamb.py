@@ -64,6 +64,7 @@ class _Replay:
         self.worker = [torch.zeros(total) for _ in range(world)]
         self.server = [torch.zeros(total // world) for _ in range(world)]
         self.coeffs: list[float] = []
+        self.mask: torch.Tensor | None = None
 
     def warmup(self, t: int, g: list[torch.Tensor]) -> None:
         (b1, b2), eps, lr, wd = PARAMS["betas"], PARAMS["eps"], PARAMS["lr"], \
@@ -95,6 +96,8 @@ class _Replay:
                  for r in range(self.n)]
         avg = _one_bit_mean(flats, self.worker, self.server) if self.n > 1 else flats[0]
         self.m = [m / s for m, s in zip(_split(avg, self.m), self.scaling, strict=True)]
+        if self.mask is not None:
+            self.m = [m * k for m, k in zip(self.m, _split(self.mask, self.m), strict=True)]
         for i, p in enumerate(self.p):
             gr = (self.m[i] - last[i] * b1) / (1 - b1)
             self.vf[i] = b2 * self.vf[i] + (1 - b2) * gr * gr
@@ -117,12 +120,14 @@ class _Replay:
         return self.coeff_freeze[i] * factor
 
 
-def reference(world: int, seen: list[list[torch.Tensor]] | None = None
-              ) -> tuple[list[torch.Tensor], list[float]]:
+def reference(world: int, seen: list[list[torch.Tensor]] | None = None,
+              mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Every step's flat parameters and the LAMB coefficients. ``seen``: the flat gradients
     each rank's optimizer saw at each step (bf16: the all-reduced mean in the warm-up, its
-    own after), replayed instead of fp32 gradients computed here."""
+    own after), replayed instead of fp32 gradients computed here. ``mask``: the group's
+    exp_avg_mask (flat), multiplied into each momentum after the compressed all-reduce."""
     replay, history, t = _Replay(world), [], 0
+    replay.mask = mask
     for step, batch in enumerate(make_batches("mlp", STEPS, BATCH)):
         w = torch.cat([p.reshape(-1) for p in replay.p])
         local = _local_gradients(w, batch, world) if seen is None else seen[step]

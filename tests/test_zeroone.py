@@ -53,6 +53,7 @@ class _Replay:
     def __init__(self, world: int, flat: bool = False):
         w = torch.cat([p.detach().reshape(-1) for p in build_model("mlp", 0).parameters()])
         self.n, self.flat = world, flat
+        self.mask: torch.Tensor | None = None  # the group's exp_avg_mask, flat
         self.w = [w.clone() for _ in range(world)]
         self.m = [torch.zeros_like(w) for _ in range(world)]
         self.acc = [torch.zeros_like(w) for _ in range(world)]
@@ -66,6 +67,7 @@ class _Replay:
         if self.n == 1:
             return None
         avg = self.compress(vectors)
+        avg = avg if self.mask is None else avg * self.mask
         return [avg] * self.n
 
     def step(self, grads: list[torch.Tensor], reduced: bool = False) -> None:
@@ -116,12 +118,14 @@ class _Replay:
             self.compress = Compressor(param_sizes(self.flat), self.n)  # errors zeroed
 
 
-def reference(world: int, seen: list[list[torch.Tensor]] | None = None
-              ) -> list[list[torch.Tensor]]:
+def reference(world: int, seen: list[list[torch.Tensor]] | None = None,
+              mask: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
     """Each rank's flat parameters after every step. ``seen`` (bf16): the flat gradients
     each rank's optimizer saw at each step, replayed with the group compressed as one
-    vector, instead of fp32 gradients computed here and compressed per parameter."""
+    vector, instead of fp32 gradients computed here and compressed per parameter.
+    ``mask``: the group's exp_avg_mask (flat), times each 1-bit mean."""
     replay, history = _Replay(world, flat=seen is not None), []
+    replay.mask = mask
     for step, batch in enumerate(make_batches("mlp", STEPS, BATCH)):
         grads = ([_local_gradients(replay.w[r], batch, world)[r] for r in range(world)]
                  if seen is None else seen[step])

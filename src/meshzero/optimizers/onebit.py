@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback, compressed_all_reduce, padded_numel
-from meshzero.optimizers.onebit_base import FreezingOptimizer, closure_loss
+from meshzero.optimizers.onebit_base import FreezingOptimizer, apply_mask, closure_loss
 
 
 class OneBitAdam(FreezingOptimizer):
@@ -85,6 +85,8 @@ class OneBitAdam(FreezingOptimizer):
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         if compressing and self.comm is not None and self.comm.size > 1:
             self._average_momentum(index, params)
+        if compressing:  # as DeepSpeed, at one rank too
+            apply_mask(group, params, [self.state[p]["exp_avg"] for p in params])
         for p in params:
             state = self.state[p]
             update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])

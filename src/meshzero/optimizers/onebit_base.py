@@ -15,13 +15,49 @@ from meshzero.comm.communicator import Communicator
 from meshzero.comm.compressed import ErrorFeedback
 
 
-def refuse_masks(param_groups: list[dict[str, Any]], name: str) -> None:
-    """DeepSpeed's ``exp_avg_mask`` param-group key (momentum elements zeroed after the
-    compression, e.g. embedding rows no batch reaches) is not implemented: refused, not
-    ignored."""
-    if any("exp_avg_mask" in g for g in param_groups):
-        raise ValueError(f"{name}: the param-group key 'exp_avg_mask' is not supported yet "
-                         "(meshzero compresses the whole momentum); drop it from the group")
+def check_group_keys(param_groups: list[dict[str, Any]], name: str) -> None:
+    """DeepSpeed's ``exp_avg_mask`` param-group key: a tensor with one element per element
+    of the group's parameters (in their order; DeepSpeed's has the shape of the group's one
+    parameter), multiplied into what each compressed all-reduce gives for the group (see
+    :func:`apply_mask`). 1-bit Adam's ``non_freeze`` is refused. All problems in one
+    error."""
+    problems = [f"param group {i}: 'non_freeze' is not supported (every group's momentum "
+                "is compressed after the warm-up; DeepSpeed's 1-bit Adam would all-reduce "
+                "this group's gradients in full): drop the key"
+                for i, group in enumerate(param_groups) if group.get("non_freeze")]
+    for i, group in enumerate(param_groups):
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            continue
+        numel = sum(p.numel() for p in group["params"])
+        if not isinstance(mask, torch.Tensor):
+            problems.append(f"param group {i}: exp_avg_mask is a {type(mask).__name__}, "
+                            "not a tensor")
+        elif mask.numel() != numel:
+            problems.append(f"param group {i}: exp_avg_mask has {mask.numel()} elements, "
+                            f"its parameters {numel}")
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems) + " (the mask needs one element "
+                         "per element of the group's parameters, in their order)")
+
+
+def apply_mask(group: dict[str, Any], params: list[torch.Tensor],
+               tensors: list[torch.Tensor]) -> None:
+    """``tensors`` (one per parameter of ``params``, all in ``group``) times their elements
+    of the group's ``exp_avg_mask``, if it has one. DeepSpeed multiplies the mask into the
+    result of each compressed all-reduce (``OnebitAdam.step``, ``OnebitLamb.step``,
+    ``ZeroOneAdam.step``): 1-bit signs cannot carry an exact zero, so elements no batch
+    reaches (position embeddings past the sequence length) would drift."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    flat, offsets, at = mask.reshape(-1), {}, 0
+    for p in group["params"]:
+        offsets[id(p)] = at
+        at += p.numel()
+    for p, t in zip(params, tensors, strict=True):
+        a = offsets[id(p)]
+        t.mul_(flat[a:a + p.numel()].view_as(t).to(t.device, t.dtype))
 
 
 def closure_loss(closure: Callable[[], Any] | None) -> Any:
@@ -41,7 +77,7 @@ class CompressingOptimizer(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError(f"{name} has no AMSGrad variant (amsgrad must be false)")
         super().__init__(params, defaults)
-        refuse_masks(self.param_groups, name)
+        check_group_keys(self.param_groups, name)
         self.comm: Communicator | None = None  # the data-parallel group (bind)
         self._keep_local: Callable[[bool], None] = lambda on: None
         # ("group", index) or ("param", id(p)) -> its errors (see flat_groups)

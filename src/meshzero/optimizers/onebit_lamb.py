@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from meshzero.optimizers.onebit import one_bit_mean
-from meshzero.optimizers.onebit_base import FreezingOptimizer, closure_loss
+from meshzero.optimizers.onebit_base import FreezingOptimizer, apply_mask, closure_loss
 
 
 class OneBitLamb(FreezingOptimizer):
@@ -124,6 +124,7 @@ class OneBitLamb(FreezingOptimizer):
                        m_last: torch.Tensor) -> None:
         (beta1, beta2), m = group["betas"], s["exp_avg"]
         m.div_(s["scaling_coeff"])
+        apply_mask(group, [p], [m])
         grad = (m - m_last * beta1) / (1 - beta1)
         s["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = s["exp_avg_sq"].sqrt() + group["eps"]

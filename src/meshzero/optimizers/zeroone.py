@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from meshzero.optimizers.onebit import one_bit_average
-from meshzero.optimizers.onebit_base import CompressingOptimizer, closure_loss
+from meshzero.optimizers.onebit_base import CompressingOptimizer, apply_mask, closure_loss
 
 
 class ZeroOneAdam(CompressingOptimizer):
@@ -93,10 +93,12 @@ class ZeroOneAdam(CompressingOptimizer):
         return loss
 
     def _mean(self, index: int, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
-        """The 1-bit mean in place; False at one rank (nothing done, as in DeepSpeed)."""
+        """The 1-bit mean in place, times the group's ``exp_avg_mask``; False at one rank
+        (nothing done, as in DeepSpeed)."""
         if self.comm is None or self.comm.size == 1:
             return False
         one_bit_average(self.comm, self._errors, index, params, tensors, self.flat_groups)
+        apply_mask(self.param_groups[index], params, tensors)
         return True
 
     def _step_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor],
