@@ -101,8 +101,9 @@ class StepGuard:
         refused its first unit for non-finite gradients; the squared global gradient norm
         from every rank's ``sq_norm``, None if a rank has none), in one all-reduce; raise
         when some units were stepped and others refused."""
-        flags = torch.tensor([float(refused > 0), float(stepped > 0), sq_norm or 0.0,
-                              float(sq_norm is None)], dtype=torch.float64)
+        # a rank without its norm sends NaN: the sum is then NaN, and the norm None
+        flags = torch.tensor([float(refused > 0), float(stepped > 0),
+                              math.nan if sq_norm is None else sq_norm], dtype=torch.float64)
         exchange = self._exchange()
         if exchange is None:
             self.comm.all_reduce(flags, name=CHECK_OP).wait()
@@ -110,9 +111,9 @@ class StepGuard:
             exchange(flags, CHECK_OP)
         for comm in self.model_parallel:
             comm.all_reduce(flags, name=CHECK_OP).wait()
-        any_refused, any_stepped, sq, missing = flags.tolist()
+        any_refused, any_stepped, sq = flags.tolist()
         if not any_refused:
-            return False, None if missing else sq
+            return False, None if math.isnan(sq) else sq
         if any_stepped:
             raise NonFiniteGradientsError(
                 f"step {step}: non-finite gradients reached the optimizer after some units "

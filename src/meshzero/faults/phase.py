@@ -51,7 +51,9 @@ CALLS = {"save_checkpoint": "checkpoint save", "load_checkpoint": "checkpoint lo
          "full_state_dict": "full_state_dict", "save_16bit_model": "16-bit model save",
          "load_weights": "weights load"}
 PHASES = TRAINING + tuple(CALLS.values())  # a phase's code is its index; unknown: len()
-SUM_WIDTH = 2  # the values a sum exchange carries (the step's squared norm, non-finite count)
+# the values a sum exchange carries: the step's squared norm and non-finite count, or, after
+# units were stepped in backward, the refused and stepped flags and the squared norm
+SUM_WIDTH = 3
 _CALL_OF = {phase: call for call, phase in CALLS.items()}
 
 
