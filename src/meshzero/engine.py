@@ -100,7 +100,7 @@ class Engine(AccumulationWindow, CheckpointMethods, CompileMethods, nn.Module):
         self.norm_weights = built.norm_weights  # id(param) -> weight in the grad norm
         self.sequence_parallel = built.sequence  # Ulysses (parallel/sequence.py) or None
         self.counters = StepCounters()
-        self.guard = StepGuard(mode=config.faults.nonfinite_grads, fp16=config.scales_loss,
+        self.guard = StepGuard(mode=config.faults.nonfinite_grads, scales_loss=config.scales_loss,
                                comm=self.comm, model_parallel=self.model_parallel_comms,
                                rank=self.topology.rank,  # inf/nan gradients: faults/
                                phases=self.zero.phases)  # the step's phase check rides on it

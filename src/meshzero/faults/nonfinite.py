@@ -46,10 +46,12 @@ class NonFiniteGradientsError(FloatingPointError):
 class StepGuard:
     """The non-finite check of one engine's steps and what it decided."""
 
-    def __init__(self, *, mode: str, fp16: bool, comm: Communicator,
+    def __init__(self, *, mode: str, scales_loss: bool, comm: Communicator,
                  model_parallel: Sequence[Communicator] = (), rank: int = 0,
                  phases: PhaseCheck | None = None):
-        """``mode``: faults.nonfinite_grads; ``comm``: the ranks ZeRO shards over;
+        """``mode``: faults.nonfinite_grads; ``scales_loss``: fp16 or a float16 autocast (an
+        overflow is the loss scaler's business, never an error); ``comm``: the ranks ZeRO
+        shards over;
         ``model_parallel``: tp and pp communicators (their ranks hold other parameters);
         ``phases``: the phase check over ``comm``'s ranks (faults/phase.py), whose exchange
         the sum over ``comm`` is made on: the step's phase check rides on it (None: an
@@ -57,7 +59,7 @@ class StepGuard:
         if mode not in ("skip", "raise"):
             raise ValueError(f"faults.nonfinite_grads = {mode!r}; use 'skip' or 'raise'")
         self.mode = mode
-        self.fp16 = fp16
+        self.scales_loss = scales_loss
         self.comm = comm
         self.model_parallel = list(model_parallel)
         self.rank = rank
@@ -78,7 +80,7 @@ class StepGuard:
         with the step's one all-reduce (the norm rides on the check: engine.last_grad_norm
         is set by every step, as DeepSpeed's get_global_grad_norm). The norm is None when
         nothing clips and taking it would read every gradient back from NVMe."""
-        rides = clip > 0 or self.fp16  # the step all-reduces stats anyway
+        rides = clip > 0 or self.scales_loss  # the step all-reduces stats anyway
         need_norm = clip > 0 or not state.tier.norm_reads_storage
         sq, overflow = state.reduce_grad_stats(
             need_norm=need_norm, need_overflow=True, model_parallel=self.model_parallel,
@@ -127,7 +129,7 @@ class StepGuard:
     def count_skip(self, counters, step: int, loss_scale: float) -> None:
         """Count a skipped step in ``counters.skipped_steps`` and say why."""
         counters.skipped_steps += 1
-        if self.fp16:
+        if self.scales_loss:
             logger.info("step %d: gradient overflow at loss scale %g, skipping the step",
                         step, loss_scale)
         elif self.rank == 0:  # the decision is the same on every rank: say it once
@@ -139,7 +141,7 @@ class StepGuard:
         """Record the step's outcome (returned: whether it was applied); in "raise" mode a
         skipped fp32/bf16 step raises, on every rank, after the step is closed."""
         self.step_applied = not skipped
-        if skipped and self.mode == "raise" and not self.fp16:
+        if skipped and self.mode == "raise" and not self.scales_loss:
             raise NonFiniteGradientsError(
                 f"step {step}: inf/nan gradients (or loss) on some rank; the step was skipped "
                 "on every rank, no weight changed (faults.nonfinite_grads: raise; 'skip' "
