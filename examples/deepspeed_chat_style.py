@@ -16,6 +16,7 @@ import meshzero.deepspeed as deepspeed  # noqa: I001 - the one changed line: imp
 import argparse
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +218,10 @@ def main():
         init_value_head(engine.module, args.global_rank)
         with deepspeed.zero.GatheredParameters([engine.module.v_head.weight]):
             head = engine.module.v_head.weight.detach().float()
-            print(f"value head on rank {args.global_rank}: norm {float(head.norm()):.8f}",
-                  flush=True)
+            # one write per line: the ranks share the pipe
+            sys.stdout.write(f"value head on rank {args.global_rank}: norm "
+                             f"{float(head.norm()):.8f}\n")
+            sys.stdout.flush()
 
     ref_norm = get_model_norm(ref_engine.module)
     print_rank_0(f"actor lr {actor_engine.get_lr()[0]:.6f} "

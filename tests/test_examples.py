@@ -75,8 +75,8 @@ def test_deepspeed_chat_style_example(tmp_path) -> None:
                        ranks=2)
     torch.manual_seed(7)  # init_value_head's draw on rank 0
     want = float(torch.empty(1, 32).normal_(mean=0.0, std=1 / 33).norm())
-    heads = [float(n) for n in re.findall(r"^value head on rank \d: norm (\S+)$", out,
-                                          re.MULTILINE)]
+    # (the ranks' lines may interleave on the shared pipe: no anchors)
+    heads = [float(n) for n in re.findall(r"value head on rank \d: norm (\d+\.\d{8})", out)]
     assert len(heads) == 4 and all(abs(h - want) < 1e-6 for h in heads), (heads, want)
     steps = [(float(loss), float(kl)) for _, loss, kl in CHAT_STEP.findall(out)]
     assert len(steps) == 6, out
