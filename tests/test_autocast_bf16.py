@@ -29,8 +29,9 @@ from meshzero.config import load_config
 from tests.distributed import run_distributed
 from tests.engine_runs import ADAM_EPS
 from tests.models import build_model, make_batches, split_for_rank
+from tests.test_bf16_states import LR, WD, Bf16StateAdamW
 
-STEPS, BATCH, LR, WD = 4, 8, 1e-2, 0.01
+STEPS, BATCH = 4, 8
 BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
@@ -45,28 +46,6 @@ class LossInside(nn.Module):
         return F.mse_loss(self.net(x), y)
 
 
-class Bf16AdamW(torch.optim.Optimizer):
-    """AdamW on bf16 parameters and bf16 gradients, m and v stored in bf16: fp32
-    arithmetic, each new state and parameter rounded once to bf16."""
-
-    def __init__(self, params):
-        super().__init__(params, {})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for p in (p for g in self.param_groups for p in g["params"]):
-            state = self.state[p]
-            if not state:
-                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-            state["t"] += 1
-            t, w, g = state["t"], p.float(), p.grad.float()
-            m = 0.9 * state["m"].float() + 0.1 * g
-            v = 0.999 * state["v"].float() + 0.001 * g * g
-            state["m"], state["v"] = m.bfloat16(), v.bfloat16()
-            w -= LR * ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + ADAM_EPS) + WD * w)
-            p.copy_(w)
-
-
 def reference(world_size: int, autocast: bool) -> dict[str, torch.Tensor]:
     """One process: the bf16 model, each rank's piece of the batch under autocast (loss /
     N, bf16 gradients summed by autograd), the bf16 AdamW above. On one thread, as the
@@ -75,7 +54,7 @@ def reference(world_size: int, autocast: bool) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     try:
         model = LossInside().to(torch.bfloat16)
-        opt = Bf16AdamW(model.parameters())
+        opt = Bf16StateAdamW(model.parameters())  # bf16 m and v, bf16 parameters
         for batch in make_batches("mlp", STEPS, BATCH):
             for rank in range(world_size):
                 x, y = split_for_rank(batch, rank, world_size, 1, 0)

@@ -21,7 +21,9 @@ LR, WD = 1e-2, 0.01
 
 
 class Bf16StateAdamW(torch.optim.Optimizer):
-    """AdamW whose m and v are stored in bf16 after every update."""
+    """AdamW whose m and v are stored in bf16 after every update, computed in fp32 on the
+    parameters' own dtype (fp32, or bf16 parameters and gradients rounded once per step:
+    tests/test_autocast_bf16.py)."""
 
     def __init__(self, params):
         super().__init__(params, {})
@@ -34,11 +36,12 @@ class Bf16StateAdamW(torch.optim.Optimizer):
                 state.update(t=0, m=torch.zeros_like(p, dtype=torch.bfloat16),
                              v=torch.zeros_like(p, dtype=torch.bfloat16))
             state["t"] += 1
-            t = state["t"]
-            m = 0.9 * state["m"].float() + 0.1 * p.grad
-            v = 0.999 * state["v"].float() + 0.001 * p.grad * p.grad
+            t, w, g = state["t"], p.float(), p.grad.float()
+            m = 0.9 * state["m"].float() + 0.1 * g
+            v = 0.999 * state["v"].float() + 0.001 * g * g
             state["m"], state["v"] = m.bfloat16(), v.bfloat16()
-            p -= LR * ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + ADAM_EPS) + WD * p)
+            w -= LR * ((m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + ADAM_EPS) + WD * w)
+            p.copy_(w)
 
 
 def _config(stage: int, offload: str = "none", path: str | None = None, **extra) -> dict:
